@@ -1,0 +1,91 @@
+#include "comm/op_context.h"
+
+#include "comm/error.h"
+#include "comm/progress_engine.h"
+#include "comm/scratch_arena.h"
+#include "comm/tag_scheme.h"
+
+namespace fsdp_ext::comm {
+
+OpContext::OpContext(ProgressEngine& engine, Transport& transport,
+                     ScratchArena& scratch, std::string description, uint64_t seq,
+                     Clock::time_point deadline, std::chrono::milliseconds timeout)
+    : engine_(engine),
+      transport_(transport),
+      scratch_(scratch),
+      description_(std::move(description)),
+      seq_(seq),
+      deadline_(deadline),
+      timeout_(timeout) {}
+
+Request OpContext::send(int peer, uint32_t step, const void* data, size_t bytes) {
+  Request request;
+  transport_.post_send(request, peer, tag::collective(seq_, step, rank()), data, bytes);
+  request.step = step;
+  return request;
+}
+
+Request OpContext::recv(int peer, uint32_t step, void* data, size_t bytes) {
+  Request request;
+  request.peer = peer;
+  transport_.post_recv(request, tag::collective(seq_, step, peer), tag::kMatchAll,
+                       data, bytes);
+  request.step = step;
+  return request;
+}
+
+Request OpContext::send_user(int peer, int user_tag, const void* data, size_t bytes) {
+  Request request;
+  transport_.post_send(request, peer, tag::point_to_point(user_tag, rank()), data,
+                       bytes);
+  return request;
+}
+
+Request OpContext::recv_user(int peer, int user_tag, void* data, size_t bytes) {
+  Request request;
+  request.peer = peer;
+  const bool any = peer < 0;
+  transport_.post_recv(request, tag::point_to_point(user_tag, any ? 0 : peer),
+                       any ? tag::kMatchAnySender : tag::kMatchAll, data, bytes);
+  return request;
+}
+
+void OpContext::wait_all(std::vector<Request>& requests) {
+  engine_.wait_for(*this, requests, kAllRequests);
+}
+
+void OpContext::wait_one(std::vector<Request>& requests, size_t index) {
+  engine_.wait_for(*this, requests, index);
+}
+
+void* OpContext::scratch(size_t bytes) { return scratch_.allocate(bytes); }
+
+void check_finished_request(const Request& request, const std::string& description) {
+  const std::string peer =
+      request.peer < 0 ? std::string("any rank") : "rank " + std::to_string(request.peer);
+  const char* direction = request.is_recv ? "receive from " : "send to ";
+  if (request.status == UCS_ERR_MESSAGE_TRUNCATED) {
+    throw CommError(ErrorKind::kMismatch,
+                    description + ": " + peer + " sent more than the " +
+                        std::to_string(request.bytes) +
+                        " bytes this rank expected (tensor sizes differ between ranks)");
+  }
+  if (request.status == UCS_ERR_CANCELED) {
+    throw CommError(ErrorKind::kAborted,
+                    description + ": " + direction + peer + " was canceled");
+  }
+  if (request.status != UCS_OK) {
+    throw CommError(ErrorKind::kTransport, description + ": " + direction + peer +
+                                               " failed: " +
+                                               ucs_status_string(request.status));
+  }
+  if (request.is_recv && request.received != request.bytes) {
+    throw CommError(ErrorKind::kMismatch,
+                    description + ": " + peer + " sent " +
+                        std::to_string(request.received) + " bytes but this rank expected " +
+                        std::to_string(request.bytes) +
+                        " (tensor sizes differ between ranks)");
+  }
+}
+
+}  // namespace fsdp_ext::comm

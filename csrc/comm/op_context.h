@@ -1,0 +1,71 @@
+// What a collective algorithm sees while it runs on the progress thread:
+// its rank and group size, tagged send/receive scoped to this operation, a
+// wait that honours the deadline and abort, and scratch memory.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "comm/transport.h"
+
+namespace fsdp_ext::comm {
+
+class ProgressEngine;
+class ScratchArena;
+
+using Clock = std::chrono::steady_clock;
+
+class OpContext {
+ public:
+  OpContext(ProgressEngine& engine, Transport& transport, ScratchArena& scratch,
+            std::string description, uint64_t seq, Clock::time_point deadline,
+            std::chrono::milliseconds timeout);
+
+  int rank() const { return transport_.rank(); }
+  int size() const { return transport_.size(); }
+  uint64_t seq() const { return seq_; }
+  const std::string& description() const { return description_; }
+  Clock::time_point deadline() const { return deadline_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // Collective messages: tagged with this op's sequence number and `step`.
+  Request send(int peer, uint32_t step, const void* data, size_t bytes);
+  Request recv(int peer, uint32_t step, void* data, size_t bytes);
+
+  // User point-to-point messages (dist.send / dist.recv); peer -1 = any.
+  Request send_user(int peer, int user_tag, const void* data, size_t bytes);
+  Request recv_user(int peer, int user_tag, void* data, size_t bytes);
+
+  // Blocks (progressing, then sleeping on the worker's fd) until every
+  // request has finished. Throws CommError on timeout, abort, transport
+  // failure or a byte count that differs from the one expected.
+  void wait_all(std::vector<Request>& requests);
+  // Waits for requests[index] only (to overlap reduction with the other
+  // transfers). On failure every unfinished request in the vector is
+  // cancelled or orphaned, so none is left pointing at freed memory.
+  void wait_one(std::vector<Request>& requests, size_t index);
+
+  // Hands a posted request to the engine; the op completes when it finishes.
+  void detach(Request request) { detached_.push_back(request); }
+  std::vector<Request>& detached() { return detached_; }
+
+  void* scratch(size_t bytes);
+
+ private:
+  ProgressEngine& engine_;
+  Transport& transport_;
+  ScratchArena& scratch_;
+  std::string description_;
+  uint64_t seq_;
+  Clock::time_point deadline_;
+  std::chrono::milliseconds timeout_;
+  std::vector<Request> detached_;
+};
+
+// Turns a finished request's status into a CommError (or nothing when it
+// succeeded with the expected size). Shared by waits and detached requests.
+void check_finished_request(const Request& request, const std::string& description);
+
+}  // namespace fsdp_ext::comm

@@ -1,0 +1,128 @@
+// The per-group progress engine: one thread that owns the group's UCX worker,
+// runs queued operations in the order they were submitted, and sleeps on the
+// worker's wakeup fd when there is nothing to do.
+//
+// Ordering: collectives run one at a time, in submission order, each to
+// completion. Point-to-point ops are posted in order and then complete in the
+// background, so `isend; irecv` pairs between two ranks cannot deadlock.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/error.h"
+#include "comm/op_context.h"
+#include "comm/scratch_arena.h"
+#include "comm/transport.h"
+
+namespace fsdp_ext::comm {
+
+constexpr size_t kAllRequests = ~size_t{0};
+
+struct OpOutcome {
+  bool ok = true;
+  ErrorKind kind = ErrorKind::kTransport;
+  std::string message;
+  int source_rank = -1;  // receives from any source: who sent it
+};
+
+struct EngineOp {
+  std::string name;           // e.g. "allreduce"; used in error messages
+  bool collective = true;     // collectives consume a sequence number
+  std::chrono::milliseconds timeout{0};
+  std::function<void(OpContext&)> body;
+  // Runs on the progress thread exactly once, after the op finished.
+  std::function<void(const OpOutcome&)> on_done;
+  // Keeps the op's buffers alive until the transport is done with them.
+  std::shared_ptr<void> keepalive;
+};
+
+struct EngineConfig {
+  int rank = 0;
+  int size = 1;
+  std::string group_name;
+  // How long to keep polling after the last sign of progress before sleeping
+  // on the wakeup fd. Short spins keep latency low; sleeping keeps 4 ranks
+  // on 2 cores from starving each other.
+  std::chrono::microseconds spin{100};
+};
+
+class ProgressEngine {
+ public:
+  ProgressEngine(EngineConfig config, std::unique_ptr<Transport> transport);
+  ~ProgressEngine();
+  ProgressEngine(const ProgressEngine&) = delete;
+  ProgressEngine& operator=(const ProgressEngine&) = delete;
+
+  void submit(EngineOp op);
+  // Finishes queued ops, cancels pending point-to-point ops, stops the
+  // thread and closes endpoints. Idempotent.
+  void shutdown();
+  // Fails every pending and running op with kAborted, then shuts down.
+  void abort(const std::string& reason);
+
+  const EngineConfig& config() const { return config_; }
+  // Non-empty once a failure desynchronised the group.
+  std::string broken_reason() const;
+
+  // Called by OpContext::wait_all on the progress thread.
+  // `only`: index of the one request to wait for, or kAllRequests.
+  void wait_for(OpContext& context, std::vector<Request>& requests, size_t only);
+
+ private:
+  struct InFlight {
+    EngineOp op;
+    std::vector<Request> requests;
+    Clock::time_point deadline;
+    std::string description;
+  };
+  struct Orphan {
+    std::vector<Request> requests;
+    std::shared_ptr<void> keepalive;
+    std::unique_ptr<ScratchArena> scratch;
+  };
+
+  void thread_main();
+  void run_op(EngineOp& op);
+  void finish(EngineOp& op, const OpOutcome& outcome);
+  bool poll_in_flight(bool cancel_all);
+  void orphan_unfinished(std::vector<Request>& requests,
+                         std::shared_ptr<void> keepalive, bool scratch_in_use);
+  void mark_broken(const std::string& reason);
+  void sleep_on(int epoll_fd, Clock::time_point wake_by);
+  Clock::time_point nearest_deadline() const;
+  std::string describe(const EngineOp& op, uint64_t seq) const;
+
+  EngineConfig config_;
+  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<ScratchArena> scratch_;
+
+  mutable std::mutex mutex_;
+  std::deque<EngineOp> queue_;
+  std::string broken_reason_;
+  bool stop_requested_ = false;
+  std::atomic<bool> aborting_{false};
+  std::string abort_reason_;
+  bool shut_down_ = false;
+
+  // Only touched on the progress thread.
+  uint64_t next_seq_ = 1;
+  std::vector<InFlight> in_flight_;
+  std::vector<Orphan> orphans_;
+  EngineOp* running_ = nullptr;
+
+  int submit_event_fd_ = -1;  // written by submit(): new work queued
+  int abort_event_fd_ = -1;   // written by abort(): interrupt any wait
+  int idle_epoll_fd_ = -1;    // worker fd + submit fd + abort fd
+  int wait_epoll_fd_ = -1;    // worker fd + abort fd
+  std::thread thread_;
+};
+
+}  // namespace fsdp_ext::comm

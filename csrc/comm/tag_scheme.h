@@ -1,0 +1,45 @@
+// The 64-bit UCX tag layout. Each process group owns its own UCX worker, so
+// tags only need to keep apart the operations of one group:
+//
+//   bit 63      : 1 = user point-to-point message, 0 = collective
+//   collective  : bits 62..36 op sequence number (27 bits, wraps harmlessly:
+//                 ops complete in order), bits 35..20 step within the op,
+//                 bits 19..0 sender rank
+//   p2p         : bits 51..20 the user's tag (32 bits), bits 19..0 sender rank
+//
+// The sender rank is in the low bits so a receive from any source can mask it
+// out and read the actual sender back from the matched tag.
+#pragma once
+
+#include <cstdint>
+
+namespace fsdp_ext::comm::tag {
+
+constexpr uint64_t kP2PBit = uint64_t{1} << 63;
+constexpr int kRankBits = 20;
+constexpr uint64_t kRankMask = (uint64_t{1} << kRankBits) - 1;
+constexpr int kStepShift = kRankBits;
+constexpr int kStepBits = 16;
+constexpr uint64_t kStepMask = (uint64_t{1} << kStepBits) - 1;
+constexpr int kSeqShift = kStepShift + kStepBits;
+constexpr uint64_t kSeqMask = (uint64_t{1} << 27) - 1;
+constexpr uint64_t kMatchAll = ~uint64_t{0};
+constexpr uint64_t kMatchAnySender = ~kRankMask;
+constexpr int kMaxRanks = 1 << kRankBits;
+constexpr uint32_t kMaxSteps = 1u << kStepBits;
+
+inline uint64_t collective(uint64_t seq, uint32_t step, int sender) {
+  return ((seq & kSeqMask) << kSeqShift) |
+         ((uint64_t{step} & kStepMask) << kStepShift) |
+         (static_cast<uint64_t>(sender) & kRankMask);
+}
+
+inline uint64_t point_to_point(int user_tag, int sender) {
+  return kP2PBit |
+         (uint64_t{static_cast<uint32_t>(user_tag)} << kRankBits) |
+         (static_cast<uint64_t>(sender) & kRankMask);
+}
+
+inline int sender_of(uint64_t t) { return static_cast<int>(t & kRankMask); }
+
+}  // namespace fsdp_ext::comm::tag

@@ -1,0 +1,148 @@
+#include "comm/transport.h"
+
+#include <string>
+
+#include "comm/error.h"
+
+namespace fsdp_ext::comm {
+namespace {
+void noop_send_callback(void*, ucs_status_t, void*) {}
+void noop_recv_callback(void*, ucs_status_t, const ucp_tag_recv_info_t*, void*) {}
+}  // namespace
+
+Transport::Transport(int rank, int size)
+    : rank_(rank),
+      size_(size),
+      context_(std::make_unique<UcxContext>(static_cast<size_t>(size))),
+      worker_(std::make_unique<UcxWorker>(context_->get())) {}
+
+Transport::~Transport() {
+  close_endpoints(std::chrono::milliseconds(2000));
+  worker_.reset();
+  context_.reset();
+}
+
+void Transport::connect(const std::vector<std::vector<uint8_t>>& addresses) {
+  endpoints_.assign(size_, nullptr);
+  for (int peer = 0; peer < size_; ++peer) {
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+    params.address = reinterpret_cast<const ucp_address_t*>(addresses[peer].data());
+    check_ucs(ucp_ep_create(worker_->get(), &params, &endpoints_[peer]),
+              ("ucp_ep_create to rank " + std::to_string(peer)).c_str());
+  }
+}
+
+void Transport::post_send(Request& request, int peer, uint64_t tag,
+                          const void* data, size_t bytes) {
+  request.peer = peer;
+  request.is_recv = false;
+  request.bytes = bytes;
+  request.finished = false;
+  request.status = UCS_OK;
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK;
+  param.cb.send = noop_send_callback;
+  ucs_status_ptr_t result =
+      ucp_tag_send_nbx(endpoints_[peer], data, bytes, tag, &param);
+  if (result == nullptr) {
+    request.finished = true;
+  } else if (UCS_PTR_IS_ERR(result)) {
+    request.finished = true;
+    request.status = UCS_PTR_STATUS(result);
+  } else {
+    request.handle = result;
+  }
+}
+
+void Transport::post_recv(Request& request, uint64_t tag, uint64_t tag_mask,
+                          void* data, size_t bytes) {
+  request.is_recv = true;
+  request.finished = false;
+  request.status = UCS_OK;
+  request.bytes = bytes;
+  ucp_tag_recv_info_t info{};
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_RECV_INFO;
+  param.cb.recv = noop_recv_callback;
+  param.recv_info.tag_info = &info;
+  ucs_status_ptr_t result =
+      ucp_tag_recv_nbx(worker_->get(), data, bytes, tag, tag_mask, &param);
+  if (result == nullptr) {
+    request.finished = true;
+    request.received = info.length;
+    request.matched_tag = info.sender_tag;
+  } else if (UCS_PTR_IS_ERR(result)) {
+    request.finished = true;
+    request.status = UCS_PTR_STATUS(result);
+  } else {
+    request.handle = result;
+  }
+}
+
+bool Transport::test(Request& request) {
+  if (request.finished) return true;
+  ucs_status_t status;
+  if (request.is_recv) {
+    ucp_tag_recv_info_t info{};
+    status = ucp_tag_recv_request_test(request.handle, &info);
+    if (status != UCS_INPROGRESS) {
+      request.received = info.length;
+      request.matched_tag = info.sender_tag;
+    }
+  } else {
+    status = ucp_request_check_status(request.handle);
+  }
+  if (status == UCS_INPROGRESS) return false;
+  request.status = status;
+  request.finished = true;
+  ucp_request_free(request.handle);
+  request.handle = nullptr;
+  return true;
+}
+
+void Transport::cancel(Request& request) {
+  if (!request.finished && request.handle) {
+    ucp_request_cancel(worker_->get(), request.handle);
+  }
+}
+
+bool Transport::arm() {
+  const ucs_status_t status = ucp_worker_arm(worker_->get());
+  if (status == UCS_ERR_BUSY) return false;
+  check_ucs(status, "ucp_worker_arm");
+  return true;
+}
+
+void Transport::close_endpoints(std::chrono::milliseconds budget) {
+  if (endpoints_.empty() || !worker_) return;
+  std::vector<void*> pending;
+  for (ucp_ep_h& endpoint : endpoints_) {
+    if (!endpoint) continue;
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = 0;  // flush: let queued sends reach the peer first
+    ucs_status_ptr_t result = ucp_ep_close_nbx(endpoint, &param);
+    if (result != nullptr && !UCS_PTR_IS_ERR(result)) pending.push_back(result);
+    endpoint = nullptr;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + budget;
+  for (void* request : pending) {
+    while (ucp_request_check_status(request) == UCS_INPROGRESS &&
+           std::chrono::steady_clock::now() < deadline) {
+      ucp_worker_progress(worker_->get());
+    }
+    if (ucp_request_check_status(request) == UCS_INPROGRESS) {
+      // A dead peer never acknowledges: leave the request to the worker's
+      // destruction rather than blocking process exit.
+      ucp_request_cancel(worker_->get(), request);
+      ucp_worker_progress(worker_->get());
+    }
+    if (ucp_request_check_status(request) != UCS_INPROGRESS) {
+      ucp_request_free(request);
+    }
+  }
+  endpoints_.clear();
+}
+
+}  // namespace fsdp_ext::comm

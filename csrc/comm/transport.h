@@ -1,0 +1,73 @@
+// Tagged point-to-point messaging between the ranks of one group over one UCX
+// worker. Everything here is non-blocking: post, then test or progress.
+// Only the group's progress thread calls into a Transport after set-up.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "comm/ucx_handles.h"
+
+namespace fsdp_ext::comm {
+
+// One posted send or receive. Plain data so algorithms can keep them in
+// vectors; the UCX request handle is released by Transport::test once done.
+struct Request {
+  void* handle = nullptr;
+  bool finished = false;
+  ucs_status_t status = UCS_OK;
+  bool is_recv = false;
+  int peer = -1;       // -1: receive from any sender
+  uint32_t step = 0;   // algorithm step, for error messages
+  size_t bytes = 0;    // bytes posted
+  size_t received = 0; // receives: bytes that actually arrived
+  uint64_t matched_tag = 0;
+};
+
+class Transport {
+ public:
+  Transport(int rank, int size);
+  ~Transport();
+  Transport(const Transport&) = delete;
+  Transport& operator=(const Transport&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  std::vector<uint8_t> worker_address() const { return worker_->address(); }
+
+  // Creates one endpoint per rank from the exchanged worker addresses.
+  void connect(const std::vector<std::vector<uint8_t>>& addresses);
+
+  void post_send(Request& request, int peer, uint64_t tag, const void* data,
+                 size_t bytes);
+  // `request.peer` (or -1 for any sender) is set by the caller beforehand.
+  void post_recv(Request& request, uint64_t tag, uint64_t tag_mask, void* data,
+                 size_t bytes);
+  // Updates `request` from UCX; returns whether it has finished.
+  bool test(Request& request);
+  // Asks UCX to cancel a pending receive; it then finishes as canceled.
+  void cancel(Request& request);
+
+  unsigned progress() { return ucp_worker_progress(worker_->get()); }
+  int event_fd() const { return worker_->event_fd(); }
+  // Arms the wakeup fd. Returns false when events are already pending, in
+  // which case the caller must progress instead of sleeping.
+  bool arm();
+
+  // Flush-closes every endpoint, waiting at most `budget`, then force-closes
+  // what is left. Safe to call twice.
+  void close_endpoints(std::chrono::milliseconds budget);
+
+ private:
+  int rank_;
+  int size_;
+  std::unique_ptr<UcxContext> context_;
+  std::unique_ptr<UcxWorker> worker_;
+  std::vector<ucp_ep_h> endpoints_;
+};
+
+}  // namespace fsdp_ext::comm

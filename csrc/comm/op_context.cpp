@@ -6,6 +6,13 @@
 #include "comm/tag_scheme.h"
 
 namespace fsdp_ext::comm {
+namespace {
+// UCX wants a valid address even for 0-byte messages, and empty tensors may
+// have none.
+char zero_length_target;
+const void* usable(const void* data) { return data ? data : &zero_length_target; }
+void* usable(void* data) { return data ? data : &zero_length_target; }
+}  // namespace
 
 OpContext::OpContext(ProgressEngine& engine, Transport& transport,
                      ScratchArena& scratch, std::string description, uint64_t seq,
@@ -20,7 +27,7 @@ OpContext::OpContext(ProgressEngine& engine, Transport& transport,
 
 Request OpContext::send(int peer, uint32_t step, const void* data, size_t bytes) {
   Request request;
-  transport_.post_send(request, peer, tag::collective(seq_, step, rank()), data, bytes);
+  transport_.post_send(request, peer, tag::collective(seq_, step, rank()), usable(data), bytes);
   request.step = step;
   return request;
 }
@@ -29,15 +36,15 @@ Request OpContext::recv(int peer, uint32_t step, void* data, size_t bytes) {
   Request request;
   request.peer = peer;
   transport_.post_recv(request, tag::collective(seq_, step, peer), tag::kMatchAll,
-                       data, bytes);
+                       usable(data), bytes);
   request.step = step;
   return request;
 }
 
 Request OpContext::send_user(int peer, int user_tag, const void* data, size_t bytes) {
   Request request;
-  transport_.post_send(request, peer, tag::point_to_point(user_tag, rank()), data,
-                       bytes);
+  transport_.post_send(request, peer, tag::point_to_point(user_tag, rank()),
+                       usable(data), bytes);
   return request;
 }
 
@@ -46,7 +53,7 @@ Request OpContext::recv_user(int peer, int user_tag, void* data, size_t bytes) {
   request.peer = peer;
   const bool any = peer < 0;
   transport_.post_recv(request, tag::point_to_point(user_tag, any ? 0 : peer),
-                       any ? tag::kMatchAnySender : tag::kMatchAll, data, bytes);
+                       any ? tag::kMatchAnySender : tag::kMatchAll, usable(data), bytes);
   return request;
 }
 
@@ -59,6 +66,8 @@ void OpContext::wait_one(std::vector<Request>& requests, size_t index) {
 }
 
 void* OpContext::scratch(size_t bytes) { return scratch_.allocate(bytes); }
+
+void OpContext::begin_next_collective() { seq_ = engine_.allocate_seq(); }
 
 void check_finished_request(const Request& request, const std::string& description) {
   const std::string peer =

@@ -53,6 +53,10 @@ class OpContext {
 
   void* scratch(size_t bytes);
 
+  // A batch of coalesced collectives runs in one op; each collective after
+  // the first takes a fresh sequence number so their tags stay apart.
+  void begin_next_collective();
+
  private:
   ProgressEngine& engine_;
   Transport& transport_;

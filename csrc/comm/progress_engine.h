@@ -73,6 +73,9 @@ class ProgressEngine {
   std::string broken_reason() const;
 
   // Called by OpContext::wait_all on the progress thread.
+  // Progress thread only: the next collective sequence number.
+  uint64_t allocate_seq() { return next_seq_++; }
+
   // `only`: index of the one request to wait for, or kAllRequests.
   void wait_for(OpContext& context, std::vector<Request>& requests, size_t only);
 

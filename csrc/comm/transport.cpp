@@ -61,18 +61,15 @@ void Transport::post_recv(Request& request, uint64_t tag, uint64_t tag_mask,
   request.finished = false;
   request.status = UCS_OK;
   request.bytes = bytes;
-  ucp_tag_recv_info_t info{};
   ucp_request_param_t param{};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_RECV_INFO;
+  // Always get a request back: UCX 1.13 does not report the received length
+  // and sender tag for a receive that completes inside the call, and those
+  // are how size mismatches and any-source senders are detected.
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
   param.cb.recv = noop_recv_callback;
-  param.recv_info.tag_info = &info;
   ucs_status_ptr_t result =
       ucp_tag_recv_nbx(worker_->get(), data, bytes, tag, tag_mask, &param);
-  if (result == nullptr) {
-    request.finished = true;
-    request.received = info.length;
-    request.matched_tag = info.sender_tag;
-  } else if (UCS_PTR_IS_ERR(result)) {
+  if (UCS_PTR_IS_ERR(result)) {
     request.finished = true;
     request.status = UCS_PTR_STATUS(result);
   } else {

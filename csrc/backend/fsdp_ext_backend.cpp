@@ -1,0 +1,609 @@
+#include "backend/fsdp_ext_backend.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <numeric>
+
+#include "backend/store_address_exchange.hpp"
+#include "backend/tensor_validation.hpp"
+#include "backend/type_mapping.hpp"
+#include "comm/algorithms/algorithms.h"
+#include "comm/tag_scheme.h"
+
+namespace fsdp_ext::backend {
+namespace {
+
+comm::MutableSpan span_of(const at::Tensor& tensor) {
+  return comm::MutableSpan{tensor.data_ptr(), tensor.nbytes()};
+}
+comm::ConstSpan const_span_of(const at::Tensor& tensor) {
+  return comm::ConstSpan{tensor.data_ptr(), tensor.nbytes()};
+}
+
+// Equal slices of a flat tensor, one per rank (all_gather_into_tensor /
+// reduce_scatter_tensor layouts).
+std::vector<comm::MutableSpan> split_evenly(const at::Tensor& flat, int parts) {
+  std::vector<comm::MutableSpan> spans(parts);
+  const size_t part_bytes = flat.nbytes() / parts;
+  char* base = static_cast<char*>(flat.data_ptr());
+  for (int p = 0; p < parts; ++p) spans[p] = {base + p * part_bytes, part_bytes};
+  return spans;
+}
+
+std::vector<comm::ConstSpan> to_const_spans(const std::vector<comm::MutableSpan>& spans) {
+  std::vector<comm::ConstSpan> out(spans.size());
+  for (size_t i = 0; i < spans.size(); ++i) out[i] = {spans[i].data, spans[i].bytes};
+  return out;
+}
+
+// Spans along dim 0 with the given row counts (alltoall_base splits).
+std::vector<comm::MutableSpan> split_rows(const at::Tensor& tensor,
+                                          const std::vector<int64_t>& rows) {
+  size_t row_bytes = tensor.element_size();
+  for (int64_t d = 1; d < tensor.dim(); ++d) row_bytes *= tensor.size(d);
+  std::vector<comm::MutableSpan> spans(rows.size());
+  char* cursor = static_cast<char*>(tensor.data_ptr());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const size_t bytes = static_cast<size_t>(rows[i]) * row_bytes;
+    spans[i] = {cursor, bytes};
+    if (cursor) cursor += bytes;
+  }
+  return spans;
+}
+
+std::vector<int64_t> resolve_splits(const OpLabel& label, const at::Tensor& tensor,
+                                    const std::vector<int64_t>& splits, const char* role) {
+  TORCH_CHECK_VALUE(tensor.dim() >= 1, label.prefix(), role, " must have at least one dimension");
+  const int64_t rows = tensor.size(0);
+  if (splits.empty()) {
+    TORCH_CHECK_VALUE(rows % label.size == 0, label.prefix(), role, " has ", rows,
+                      " rows along dim 0, which the group size ", label.size,
+                      " does not divide; pass split sizes");
+    return std::vector<int64_t>(label.size, rows / label.size);
+  }
+  check_count(label, splits.size(), static_cast<size_t>(label.size), role);
+  for (int64_t split : splits) {
+    TORCH_CHECK_VALUE(split >= 0, label.prefix(), role, " split sizes must be >= 0, got ", split);
+  }
+  const int64_t total = std::accumulate(splits.begin(), splits.end(), int64_t{0});
+  TORCH_CHECK_VALUE(total == rows, label.prefix(), role, " split sizes sum to ", total,
+                    " but the tensor has ", rows, " rows along dim 0");
+  return splits;
+}
+
+std::chrono::microseconds spin_from_environment() {
+  const char* value = std::getenv("FSDP_EXT_SPIN_US");
+  if (value == nullptr || value[0] == '\0') return std::chrono::microseconds(100);
+  return std::chrono::microseconds(std::max(0L, std::strtol(value, nullptr, 10)));
+}
+
+std::mutex& registry_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+std::vector<FsdpExtBackend*>& registry() {
+  static std::vector<FsdpExtBackend*> live;
+  return live;
+}
+
+}  // namespace
+
+FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                               int size, std::chrono::milliseconds timeout,
+                               std::string group_name)
+    : c10d::Backend(rank, size),
+      default_timeout_(timeout),
+      group_name_(std::move(group_name)) {
+  const OpLabel init_label = label("init");
+  TORCH_CHECK_VALUE(size >= 1 && size < comm::tag::kMaxRanks, init_label.prefix(),
+                    "group size ", size, " is out of range");
+  try {
+    auto transport = std::make_unique<comm::Transport>(rank, size);
+    transport->connect(exchange_addresses(*store, rank, size, transport->worker_address()));
+    comm::EngineConfig config;
+    config.rank = rank;
+    config.size = size;
+    config.group_name = group_name_;
+    config.spin = spin_from_environment();
+    engine_ = std::make_unique<comm::ProgressEngine>(config, std::move(transport));
+  } catch (const comm::CommError& error) {
+    C10_THROW_ERROR(DistBackendError, init_label.prefix() + error.what());
+  }
+  // Wire up every connection now, and find a missing peer at init (within
+  // the timeout) rather than at the first collective.
+  auto work = enqueue(init_label, c10d::OpType::BARRIER, nullptr, true, default_timeout_, {},
+                      {}, [](comm::OpContext& context) { comm::barrier(context); });
+  work->wait();
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  registry().push_back(this);
+}
+
+FsdpExtBackend::~FsdpExtBackend() {
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    auto& live = registry();
+    live.erase(std::remove(live.begin(), live.end(), this), live.end());
+  }
+  shutdown();
+}
+
+void FsdpExtBackend::shutdown_all() {
+  std::vector<FsdpExtBackend*> live;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    live = registry();
+  }
+  for (FsdpExtBackend* backend : live) backend->shutdown();
+}
+
+void FsdpExtBackend::setTimeout(std::chrono::milliseconds timeout) {
+  default_timeout_ = timeout;
+}
+
+void FsdpExtBackend::abort() {
+  if (engine_) engine_->abort("abort() was called on the process group");
+}
+
+void FsdpExtBackend::shutdown() {
+  if (engine_) engine_->shutdown();
+}
+
+OpLabel FsdpExtBackend::label(const char* op) const {
+  std::string group = "'" + group_name_ + "'";
+  if (!pg_desc_.empty()) group += " (" + pg_desc_ + ")";
+  return OpLabel{op, std::move(group), rank_, size_};
+}
+
+std::chrono::milliseconds FsdpExtBackend::resolve_timeout(
+    std::chrono::milliseconds requested) const {
+  return requested == c10d::kUnsetTimeout ? default_timeout_ : requested;
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::enqueue(
+    const OpLabel& label, c10d::OpType type, const char* profiling_title, bool collective,
+    std::chrono::milliseconds timeout, std::vector<at::Tensor> outputs,
+    std::vector<at::Tensor> keep_alive, Body body) {
+  auto work = c10::make_intrusive<FsdpExtWork>(rank_, type, profiling_title, outputs);
+  keep_alive.insert(keep_alive.end(), outputs.begin(), outputs.end());
+  {
+    std::lock_guard<std::mutex> lock(coalescing_mutex_);
+    if (coalescing_ && std::this_thread::get_id() == coalescing_thread_) {
+      coalesced_ops_.push_back(CoalescedOp{collective, std::move(body), work});
+      coalesced_tensors_.insert(coalesced_tensors_.end(), keep_alive.begin(),
+                                keep_alive.end());
+      coalesced_timeout_ = std::max(coalesced_timeout_, timeout);
+      return work;
+    }
+  }
+  comm::EngineOp op;
+  op.name = label.op;
+  op.collective = collective;
+  op.timeout = timeout;
+  op.body = std::move(body);
+  op.keepalive = std::make_shared<std::vector<at::Tensor>>(std::move(keep_alive));
+  op.on_done = [work](const comm::OpOutcome& outcome) { work->complete(outcome); };
+  engine_->submit(std::move(op));
+  return work;
+}
+
+void FsdpExtBackend::startCoalescing() {
+  std::lock_guard<std::mutex> lock(coalescing_mutex_);
+  TORCH_CHECK(!coalescing_, label("start_coalescing").prefix(),
+              "coalescing is already active; nested coalescing is not supported");
+  coalescing_ = true;
+  coalescing_thread_ = std::this_thread::get_id();
+  coalesced_timeout_ = default_timeout_;
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::endCoalescing() {
+  std::vector<CoalescedOp> members;
+  std::vector<at::Tensor> tensors;
+  std::chrono::milliseconds timeout;
+  {
+    std::lock_guard<std::mutex> lock(coalescing_mutex_);
+    TORCH_CHECK(coalescing_, label("end_coalescing").prefix(),
+                "endCoalescing() without a matching startCoalescing()");
+    coalescing_ = false;
+    members = std::move(coalesced_ops_);
+    coalesced_ops_.clear();
+    tensors = std::move(coalesced_tensors_);
+    coalesced_tensors_.clear();
+    timeout = coalesced_timeout_;
+  }
+  const bool any_collective = std::any_of(members.begin(), members.end(),
+                                          [](const CoalescedOp& m) { return m.collective; });
+  auto work = c10::make_intrusive<FsdpExtWork>(rank_, c10d::OpType::COALESCED,
+                                               "fsdp_ext:coalesced", tensors);
+  auto shared_members = std::make_shared<std::vector<CoalescedOp>>(std::move(members));
+  comm::EngineOp op;
+  op.name = "coalesced";
+  op.collective = any_collective;
+  op.timeout = timeout;
+  // One queued op: point-to-point members are posted (non-blocking), and
+  // collective members run in issue order, each with its own sequence number.
+  op.body = [shared_members](comm::OpContext& context) {
+    bool first_collective = true;
+    for (CoalescedOp& member : *shared_members) {
+      if (member.collective) {
+        if (!first_collective) context.begin_next_collective();
+        first_collective = false;
+      }
+      member.body(context);
+    }
+  };
+  op.keepalive = std::make_shared<std::vector<at::Tensor>>(std::move(tensors));
+  op.on_done = [shared_members, work](const comm::OpOutcome& outcome) {
+    for (CoalescedOp& member : *shared_members) member.work->complete(outcome);
+    work->complete(outcome);
+  };
+  engine_->submit(std::move(op));
+  return work;
+}
+
+// ---------------------------------------------------------------- collectives
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                         const c10d::BroadcastOptions& opts) {
+  const OpLabel l = label("broadcast");
+  check_count(l, tensors.size(), 1, "tensor");
+  check_tensor(l, tensors[0], "tensor");
+  check_rank(l, opts.rootRank, "root");
+  at::Tensor tensor = tensors[0];
+  const int root = static_cast<int>(opts.rootRank);
+  return enqueue(l, c10d::OpType::BROADCAST, "fsdp_ext:broadcast", true,
+                 resolve_timeout(opts.timeout), {tensor}, {},
+                 [tensor, root](comm::OpContext& context) {
+                   comm::broadcast(context, span_of(tensor), root);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                         const c10d::AllreduceOptions& opts) {
+  const OpLabel l = label("all_reduce");
+  check_count(l, tensors.size(), 1, "tensor");
+  check_tensor(l, tensors[0], "tensor");
+  at::Tensor tensor = tensors[0];
+  const comm::ReduceSpec spec = reduce_spec(l, opts.reduceOp, tensor.scalar_type(), size_);
+  return enqueue(l, c10d::OpType::ALLREDUCE, "fsdp_ext:all_reduce", true,
+                 resolve_timeout(opts.timeout), {tensor}, {},
+                 [tensor, spec](comm::OpContext& context) {
+                   comm::allreduce(context, span_of(tensor), spec);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  const OpLabel l = label("all_reduce_coalesced");
+  TORCH_CHECK_VALUE(!tensors.empty(), l.prefix(), "needs at least one tensor");
+  check_tensors(l, tensors, "tensor");
+  std::vector<comm::ReduceSpec> specs;
+  for (const at::Tensor& tensor : tensors) {
+    specs.push_back(reduce_spec(l, opts.reduceOp, tensor.scalar_type(), size_));
+  }
+  std::vector<at::Tensor> list = tensors;
+  return enqueue(l, c10d::OpType::ALLREDUCE_COALESCED, "fsdp_ext:all_reduce_coalesced", true,
+                 resolve_timeout(opts.timeout), list, {},
+                 [list, specs](comm::OpContext& context) {
+                   for (size_t i = 0; i < list.size(); ++i) {
+                     if (i > 0) context.begin_next_collective();
+                     comm::allreduce(context, span_of(list[i]), specs[i]);
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                      const c10d::ReduceOptions& opts) {
+  const OpLabel l = label("reduce");
+  check_count(l, tensors.size(), 1, "tensor");
+  check_tensor(l, tensors[0], "tensor");
+  check_rank(l, opts.rootRank, "root");
+  at::Tensor tensor = tensors[0];
+  const comm::ReduceSpec spec = reduce_spec(l, opts.reduceOp, tensor.scalar_type(), size_);
+  const int root = static_cast<int>(opts.rootRank);
+  return enqueue(l, c10d::OpType::REDUCE, "fsdp_ext:reduce", true,
+                 resolve_timeout(opts.timeout), {tensor}, {},
+                 [tensor, spec, root](comm::OpContext& context) {
+                   comm::reduce(context, span_of(tensor), root, spec);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  const OpLabel l = label("all_gather");
+  check_count(l, inputs.size(), 1, "input tensor");
+  check_count(l, outputs.size(), 1, "output tensor list");
+  check_count(l, outputs[0].size(), static_cast<size_t>(size_), "output tensors (one per rank)");
+  check_tensor(l, inputs[0], "input");
+  check_tensors(l, outputs[0], "output");
+  for (const at::Tensor& output : outputs[0]) check_same_dtype(l, output, "an output", inputs[0], "the input");
+  check_numel(l, outputs[0][rank_].numel(), inputs[0].numel(),
+              "the output for this rank must match the input");
+  at::Tensor input = inputs[0];
+  std::vector<at::Tensor> list = outputs[0];
+  return enqueue(l, c10d::OpType::ALLGATHER, "fsdp_ext:all_gather", true,
+                 resolve_timeout(opts.timeout), list, {input},
+                 [input, list](comm::OpContext& context) {
+                   std::vector<comm::MutableSpan> spans;
+                   for (const at::Tensor& output : list) spans.push_back(span_of(output));
+                   comm::allgather(context, const_span_of(input), spans);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::_allgather_base(
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  const OpLabel l = label("all_gather_into_tensor");
+  check_tensor(l, input, "input");
+  check_tensor(l, output, "output");
+  check_same_dtype(l, output, "output", input, "input");
+  check_numel(l, output.numel(), input.numel() * size_,
+              "output must hold world_size (" + std::to_string(size_) + ") x input");
+  at::Tensor in = input;
+  at::Tensor out = output;
+  const int parts = size_;
+  return enqueue(l, c10d::OpType::_ALLGATHER_BASE, "fsdp_ext:all_gather_into_tensor", true,
+                 resolve_timeout(opts.timeout), {out}, {in},
+                 [in, out, parts](comm::OpContext& context) {
+                   comm::allgather(context, const_span_of(in), split_evenly(out, parts));
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  const OpLabel l = label("all_gather_into_tensor_coalesced");
+  check_count(l, outputs.size(), inputs.size(), "output tensors (one per input)");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_tensor(l, inputs[i], "input");
+    check_tensor(l, outputs[i], "output");
+    check_same_dtype(l, outputs[i], "output", inputs[i], "input");
+    check_numel(l, outputs[i].numel(), inputs[i].numel() * size_,
+                "output " + std::to_string(i) + " must hold world_size x input");
+  }
+  std::vector<at::Tensor> ins = inputs;
+  std::vector<at::Tensor> outs = outputs;
+  const int parts = size_;
+  return enqueue(l, c10d::OpType::COALESCED, "fsdp_ext:all_gather_into_tensor_coalesced",
+                 true, resolve_timeout(opts.timeout), outs, ins,
+                 [ins, outs, parts](comm::OpContext& context) {
+                   for (size_t i = 0; i < ins.size(); ++i) {
+                     if (i > 0) context.begin_next_collective();
+                     comm::allgather(context, const_span_of(ins[i]), split_evenly(outs[i], parts));
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::gather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  const OpLabel l = label("gather");
+  check_rank(l, opts.rootRank, "root");
+  const int root = static_cast<int>(opts.rootRank);
+  check_count(l, inputs.size(), 1, "input tensor");
+  check_tensor(l, inputs[0], "input");
+  std::vector<at::Tensor> list;
+  if (rank_ == root) {
+    check_count(l, outputs.size(), 1, "output tensor list on the root");
+    check_count(l, outputs[0].size(), static_cast<size_t>(size_), "output tensors (one per rank)");
+    check_tensors(l, outputs[0], "output");
+    for (const at::Tensor& output : outputs[0]) {
+      check_same_dtype(l, output, "an output", inputs[0], "the input");
+      check_numel(l, output.numel(), inputs[0].numel(), "each output must match the input");
+    }
+    list = outputs[0];
+  } else {
+    TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), l.prefix(),
+                      "only the root (rank ", root, ") may pass output tensors");
+  }
+  at::Tensor input = inputs[0];
+  return enqueue(l, c10d::OpType::GATHER, "fsdp_ext:gather", true,
+                 resolve_timeout(opts.timeout), list, {input},
+                 [input, list, root](comm::OpContext& context) {
+                   std::vector<comm::MutableSpan> spans;
+                   for (const at::Tensor& output : list) spans.push_back(span_of(output));
+                   comm::gather(context, const_span_of(input), spans, root);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  const OpLabel l = label("scatter");
+  check_rank(l, opts.rootRank, "root");
+  const int root = static_cast<int>(opts.rootRank);
+  check_count(l, outputs.size(), 1, "output tensor");
+  check_tensor(l, outputs[0], "output");
+  std::vector<at::Tensor> list;
+  if (rank_ == root) {
+    check_count(l, inputs.size(), 1, "input tensor list on the root");
+    check_count(l, inputs[0].size(), static_cast<size_t>(size_), "input tensors (one per rank)");
+    check_tensors(l, inputs[0], "input");
+    for (const at::Tensor& input : inputs[0]) {
+      check_same_dtype(l, input, "an input", outputs[0], "the output");
+      check_numel(l, input.numel(), outputs[0].numel(), "each input must match the output");
+    }
+    list = inputs[0];
+  } else {
+    TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), l.prefix(),
+                      "only the root (rank ", root, ") may pass input tensors");
+  }
+  at::Tensor output = outputs[0];
+  return enqueue(l, c10d::OpType::SCATTER, "fsdp_ext:scatter", true,
+                 resolve_timeout(opts.timeout), {output}, list,
+                 [output, list, root](comm::OpContext& context) {
+                   std::vector<comm::ConstSpan> spans;
+                   for (const at::Tensor& input : list) spans.push_back(const_span_of(input));
+                   comm::scatter(context, spans, span_of(output), root);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const OpLabel l = label("reduce_scatter");
+  check_count(l, outputs.size(), 1, "output tensor");
+  check_count(l, inputs.size(), 1, "input tensor list");
+  check_count(l, inputs[0].size(), static_cast<size_t>(size_), "input tensors (one per rank)");
+  check_tensor(l, outputs[0], "output");
+  check_tensors(l, inputs[0], "input");
+  for (const at::Tensor& input : inputs[0]) check_same_dtype(l, input, "an input", outputs[0], "the output");
+  check_numel(l, inputs[0][rank_].numel(), outputs[0].numel(),
+              "the input for this rank must match the output");
+  at::Tensor output = outputs[0];
+  std::vector<at::Tensor> list = inputs[0];
+  const comm::ReduceSpec spec = reduce_spec(l, opts.reduceOp, output.scalar_type(), size_);
+  return enqueue(l, c10d::OpType::REDUCE_SCATTER, "fsdp_ext:reduce_scatter", true,
+                 resolve_timeout(opts.timeout), {output}, list,
+                 [output, list, spec](comm::OpContext& context) {
+                   std::vector<comm::ConstSpan> spans;
+                   for (const at::Tensor& input : list) spans.push_back(const_span_of(input));
+                   comm::reduce_scatter(context, spans, span_of(output), spec);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  const OpLabel l = label("reduce_scatter_tensor");
+  check_tensor(l, input, "input");
+  check_tensor(l, output, "output");
+  check_same_dtype(l, output, "output", input, "input");
+  check_numel(l, input.numel(), output.numel() * size_,
+              "input must hold world_size (" + std::to_string(size_) + ") x output");
+  const comm::ReduceSpec spec = reduce_spec(l, opts.reduceOp, output.scalar_type(), size_);
+  at::Tensor in = input;
+  at::Tensor out = output;
+  const int parts = size_;
+  return enqueue(l, c10d::OpType::_REDUCE_SCATTER_BASE, "fsdp_ext:reduce_scatter_tensor", true,
+                 resolve_timeout(opts.timeout), {out}, {in},
+                 [in, out, parts, spec](comm::OpContext& context) {
+                   comm::reduce_scatter(context, to_const_spans(split_evenly(in, parts)), span_of(out),
+                                        spec);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const OpLabel l = label("reduce_scatter_tensor_coalesced");
+  check_count(l, outputs.size(), inputs.size(), "output tensors (one per input)");
+  std::vector<comm::ReduceSpec> specs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_tensor(l, inputs[i], "input");
+    check_tensor(l, outputs[i], "output");
+    check_same_dtype(l, outputs[i], "output", inputs[i], "input");
+    check_numel(l, inputs[i].numel(), outputs[i].numel() * size_,
+                "input " + std::to_string(i) + " must hold world_size x output");
+    specs.push_back(reduce_spec(l, opts.reduceOp, outputs[i].scalar_type(), size_));
+  }
+  std::vector<at::Tensor> ins = inputs;
+  std::vector<at::Tensor> outs = outputs;
+  const int parts = size_;
+  return enqueue(l, c10d::OpType::COALESCED, "fsdp_ext:reduce_scatter_tensor_coalesced", true,
+                 resolve_timeout(opts.timeout), outs, ins,
+                 [ins, outs, parts, specs](comm::OpContext& context) {
+                   for (size_t i = 0; i < ins.size(); ++i) {
+                     if (i > 0) context.begin_next_collective();
+                     comm::reduce_scatter(context, to_const_spans(split_evenly(ins[i], parts)),
+                                          span_of(outs[i]), specs[i]);
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::alltoall_base(
+    at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
+    std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
+  const OpLabel l = label("all_to_all_single");
+  check_tensor(l, input, "input");
+  check_tensor(l, output, "output");
+  check_same_dtype(l, output, "output", input, "input");
+  const auto out_rows = resolve_splits(l, output, output_split_sizes, "output");
+  const auto in_rows = resolve_splits(l, input, input_split_sizes, "input");
+  at::Tensor in = input;
+  at::Tensor out = output;
+  return enqueue(l, c10d::OpType::ALLTOALL_BASE, "fsdp_ext:all_to_all_single", true,
+                 resolve_timeout(opts.timeout), {out}, {in},
+                 [in, out, in_rows, out_rows](comm::OpContext& context) {
+                   comm::alltoall(context, to_const_spans(split_rows(in, in_rows)),
+                                  split_rows(out, out_rows));
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                        std::vector<at::Tensor>& inputs,
+                                                        const c10d::AllToAllOptions& opts) {
+  const OpLabel l = label("all_to_all");
+  check_count(l, inputs.size(), static_cast<size_t>(size_), "input tensors (one per rank)");
+  check_count(l, outputs.size(), static_cast<size_t>(size_), "output tensors (one per rank)");
+  check_tensors(l, inputs, "input");
+  check_tensors(l, outputs, "output");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_same_dtype(l, outputs[i], "an output", inputs[0], "the inputs");
+    check_same_dtype(l, inputs[i], "an input", inputs[0], "the first input");
+  }
+  check_numel(l, outputs[rank_].numel(), inputs[rank_].numel(),
+              "the output and input for this rank must match");
+  std::vector<at::Tensor> ins = inputs;
+  std::vector<at::Tensor> outs = outputs;
+  return enqueue(l, c10d::OpType::ALLTOALL, "fsdp_ext:all_to_all", true,
+                 resolve_timeout(opts.timeout), outs, ins,
+                 [ins, outs](comm::OpContext& context) {
+                   std::vector<comm::ConstSpan> in_spans;
+                   std::vector<comm::MutableSpan> out_spans;
+                   for (const at::Tensor& t : ins) in_spans.push_back(const_span_of(t));
+                   for (const at::Tensor& t : outs) out_spans.push_back(span_of(t));
+                   comm::alltoall(context, in_spans, out_spans);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::barrier(const c10d::BarrierOptions& opts) {
+  const OpLabel l = label("barrier");
+  return enqueue(l, c10d::OpType::BARRIER, "fsdp_ext:barrier", true,
+                 resolve_timeout(opts.timeout), {}, {},
+                 [](comm::OpContext& context) { comm::barrier(context); });
+}
+
+// ------------------------------------------------------------ point to point
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::send(std::vector<at::Tensor>& tensors,
+                                                    int dst_rank, int tag) {
+  const OpLabel l = label("send");
+  check_count(l, tensors.size(), 1, "tensor");
+  check_tensor(l, tensors[0], "tensor");
+  check_rank(l, dst_rank, "destination");
+  at::Tensor tensor = tensors[0];
+  return enqueue(l, c10d::OpType::SEND, "fsdp_ext:send", false, default_timeout_, {tensor}, {},
+                 [tensor, dst_rank, tag](comm::OpContext& context) {
+                   context.detach(context.send_user(dst_rank, tag, tensor.data_ptr(),
+                                                    tensor.nbytes()));
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::recv(std::vector<at::Tensor>& tensors,
+                                                    int src_rank, int tag) {
+  const OpLabel l = label("recv");
+  check_count(l, tensors.size(), 1, "tensor");
+  check_tensor(l, tensors[0], "tensor");
+  check_rank(l, src_rank, "source");
+  at::Tensor tensor = tensors[0];
+  return enqueue(l, c10d::OpType::RECV, "fsdp_ext:recv", false, default_timeout_, {tensor}, {},
+                 [tensor, src_rank, tag](comm::OpContext& context) {
+                   context.detach(context.recv_user(src_rank, tag, tensor.data_ptr(),
+                                                    tensor.nbytes()));
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                             int tag) {
+  const OpLabel l = label("recv (any source)");
+  check_count(l, tensors.size(), 1, "tensor");
+  check_tensor(l, tensors[0], "tensor");
+  at::Tensor tensor = tensors[0];
+  return enqueue(l, c10d::OpType::RECVANYSOURCE, "fsdp_ext:recv_any_source", false,
+                 default_timeout_, {tensor}, {}, [tensor, tag](comm::OpContext& context) {
+                   context.detach(context.recv_user(-1, tag, tensor.data_ptr(), tensor.nbytes()));
+                 });
+}
+
+}  // namespace fsdp_ext::backend

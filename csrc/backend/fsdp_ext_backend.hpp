@@ -1,0 +1,122 @@
+// The c10d::Backend behind dist.init_process_group("fsdp_ext").
+//
+// Each method validates its arguments on the calling thread, wraps the
+// tensors as byte spans, and queues one operation on the group's progress
+// engine (comm::ProgressEngine), returning an FsdpExtWork. CPU tensors go over
+// UCX; CUDA tensors are rejected until the NCCL path exists.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend/fsdp_ext_work.hpp"
+#include "backend/op_label.hpp"
+#include "comm/progress_engine.h"
+
+namespace fsdp_ext::backend {
+
+class FsdpExtBackend : public c10d::Backend {
+ public:
+  FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                 std::chrono::milliseconds timeout, std::string group_name);
+  ~FsdpExtBackend() override;
+
+  const std::string getBackendName() const override { return "fsdp_ext"; }
+  bool supportsCoalescing() const override { return true; }
+  void setTimeout(std::chrono::milliseconds timeout) override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
+  void abort() override;
+  void shutdown() override;
+
+  // Shuts down every live fsdp_ext backend (registered with Python's atexit,
+  // so threads and UCX resources are released before interpreter teardown).
+  static void shutdown_all();
+
+ private:
+  using Body = std::function<void(comm::OpContext&)>;
+
+  OpLabel label(const char* op) const;
+  std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds requested) const;
+  // Queues one op (or adds it to the open coalescing batch) and returns its Work.
+  c10::intrusive_ptr<c10d::Work> enqueue(const OpLabel& label, c10d::OpType type,
+                                         const char* profiling_title, bool collective,
+                                         std::chrono::milliseconds timeout,
+                                         std::vector<at::Tensor> outputs,
+                                         std::vector<at::Tensor> keep_alive, Body body);
+
+  std::chrono::milliseconds default_timeout_;
+  std::string group_name_;
+  std::unique_ptr<comm::ProgressEngine> engine_;
+
+  // Coalescing: ops issued between startCoalescing and endCoalescing on the
+  // coalescing thread become one queued operation.
+  struct CoalescedOp {
+    bool collective;
+    Body body;
+    c10::intrusive_ptr<FsdpExtWork> work;
+  };
+  std::mutex coalescing_mutex_;
+  bool coalescing_ = false;
+  std::thread::id coalescing_thread_;
+  std::vector<CoalescedOp> coalesced_ops_;
+  std::vector<at::Tensor> coalesced_tensors_;
+  std::chrono::milliseconds coalesced_timeout_{0};
+};
+
+}  // namespace fsdp_ext::backend

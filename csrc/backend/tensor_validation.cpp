@@ -1,0 +1,54 @@
+#include "backend/tensor_validation.hpp"
+
+#include <c10/util/Exception.h>
+
+namespace fsdp_ext::backend {
+
+void check_tensor(const OpLabel& label, const at::Tensor& tensor, const char* role) {
+  TORCH_CHECK_VALUE(tensor.defined(), label.prefix(), role, " is an undefined tensor");
+  if (tensor.is_cuda()) {
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        false, label.prefix(), role,
+        " is a CUDA tensor, but this build of fsdp_ext has no CUDA (NCCL) path yet; "
+        "use CPU tensors, or a 'cpu:fsdp_ext,cuda:nccl' backend string");
+  }
+  TORCH_CHECK_VALUE(!tensor.is_meta(), label.prefix(), role,
+                    " is a meta tensor; collectives need tensors with data");
+  TORCH_CHECK_VALUE(tensor.device().is_cpu(), label.prefix(), role, " is on device ",
+                    tensor.device(), "; fsdp_ext handles CPU tensors");
+  TORCH_CHECK_VALUE(tensor.layout() == at::kStrided, label.prefix(), role,
+                    " has layout ", tensor.layout(), "; only dense (strided) tensors are supported");
+  TORCH_CHECK_VALUE(tensor.is_contiguous(), label.prefix(), role,
+                    " is not contiguous (sizes ", tensor.sizes(), ", strides ",
+                    tensor.strides(), "); call .contiguous() first");
+}
+
+void check_tensors(const OpLabel& label, const std::vector<at::Tensor>& tensors,
+                   const char* role) {
+  for (const at::Tensor& tensor : tensors) check_tensor(label, tensor, role);
+}
+
+void check_count(const OpLabel& label, size_t actual, size_t expected, const char* what) {
+  TORCH_CHECK_VALUE(actual == expected, label.prefix(), "expected ", expected, " ", what,
+                    " but got ", actual);
+}
+
+void check_same_dtype(const OpLabel& label, const at::Tensor& a, const char* a_role,
+                      const at::Tensor& b, const char* b_role) {
+  TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), label.prefix(), a_role,
+                   " has dtype ", a.scalar_type(), " but ", b_role, " has dtype ",
+                   b.scalar_type(), "; they must match");
+}
+
+void check_numel(const OpLabel& label, int64_t actual, int64_t expected,
+                 const std::string& what) {
+  TORCH_CHECK_VALUE(actual == expected, label.prefix(), what, ": expected ", expected,
+                    " elements but got ", actual);
+}
+
+void check_rank(const OpLabel& label, int64_t rank, const char* role) {
+  TORCH_CHECK_VALUE(rank >= 0 && rank < label.size, label.prefix(), "invalid ", role,
+                    " rank ", rank, "; the group has ranks 0..", label.size - 1);
+}
+
+}  // namespace fsdp_ext::backend

@@ -1,0 +1,25 @@
+// Argument checks run on the calling thread before anything is queued, so a
+// bad call raises immediately (ValueError / TypeError / NotImplementedError)
+// and never reaches the transport.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "backend/op_label.hpp"
+
+namespace fsdp_ext::backend {
+
+// CPU, strided, contiguous, with storage (not meta).
+void check_tensor(const OpLabel& label, const at::Tensor& tensor, const char* role);
+void check_tensors(const OpLabel& label, const std::vector<at::Tensor>& tensors,
+                   const char* role);
+void check_count(const OpLabel& label, size_t actual, size_t expected, const char* what);
+void check_same_dtype(const OpLabel& label, const at::Tensor& a, const char* a_role,
+                      const at::Tensor& b, const char* b_role);
+void check_numel(const OpLabel& label, int64_t actual, int64_t expected,
+                 const std::string& what);
+void check_rank(const OpLabel& label, int64_t rank, const char* role);
+
+}  // namespace fsdp_ext::backend

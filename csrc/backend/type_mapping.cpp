@@ -1,0 +1,70 @@
+#include "backend/type_mapping.hpp"
+
+#include <c10/util/Exception.h>
+
+namespace fsdp_ext::backend {
+
+comm::DataType reduction_dtype(const OpLabel& label, at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return comm::DataType::kFloat32;
+    case at::kDouble: return comm::DataType::kFloat64;
+    case at::kHalf: return comm::DataType::kFloat16;
+    case at::kBFloat16: return comm::DataType::kBFloat16;
+    case at::kChar: return comm::DataType::kInt8;
+    case at::kByte: return comm::DataType::kUInt8;
+    case at::kInt: return comm::DataType::kInt32;
+    case at::kLong: return comm::DataType::kInt64;
+    case at::kBool: return comm::DataType::kBool;
+    default:
+      TORCH_CHECK_TYPE(false, label.prefix(), "reductions on dtype ", type,
+                       " are not supported (supported: float32, float64, float16, "
+                       "bfloat16, int8, uint8, int32, int64, bool)");
+  }
+}
+
+comm::ReduceSpec reduce_spec(const OpLabel& label, const c10d::ReduceOp& op,
+                             at::ScalarType type, int group_size) {
+  comm::ReduceSpec spec;
+  spec.type = reduction_dtype(label, type);
+  const bool floating = comm::is_floating_point(spec.type);
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: spec.kind = comm::ReduceKind::kSum; break;
+    case c10d::ReduceOp::PRODUCT: spec.kind = comm::ReduceKind::kProduct; break;
+    case c10d::ReduceOp::MIN: spec.kind = comm::ReduceKind::kMin; break;
+    case c10d::ReduceOp::MAX: spec.kind = comm::ReduceKind::kMax; break;
+    case c10d::ReduceOp::BAND: spec.kind = comm::ReduceKind::kBitAnd; break;
+    case c10d::ReduceOp::BOR: spec.kind = comm::ReduceKind::kBitOr; break;
+    case c10d::ReduceOp::BXOR: spec.kind = comm::ReduceKind::kBitXor; break;
+    case c10d::ReduceOp::AVG:
+      TORCH_CHECK_TYPE(floating, label.prefix(), "ReduceOp.AVG needs a floating-point "
+                       "dtype, got ", type, " (integer averages would truncate)");
+      spec.kind = comm::ReduceKind::kSum;
+      spec.post_scale = 1.0 / group_size;
+      break;
+    case c10d::ReduceOp::PREMUL_SUM: {
+      TORCH_CHECK_TYPE(floating, label.prefix(), "PREMUL_SUM needs a floating-point "
+                       "dtype, got ", type);
+      TORCH_CHECK_VALUE(op.supplement_.defined(), label.prefix(),
+                        "PREMUL_SUM without a factor");
+      const auto* factor = static_cast<const c10d::PreMulSumSupplement*>(op.supplement_.get());
+      spec.kind = comm::ReduceKind::kSum;
+      if (factor->tensor_factor.defined()) {
+        TORCH_CHECK_VALUE(factor->tensor_factor.numel() == 1, label.prefix(),
+                          "PREMUL_SUM tensor factor must have one element");
+        spec.pre_scale = factor->tensor_factor.to(at::kCPU).item<double>();
+      } else {
+        spec.pre_scale = factor->double_factor;
+      }
+      break;
+    }
+    default:
+      TORCH_CHECK_VALUE(false, label.prefix(), "unsupported reduce op ",
+                        static_cast<int>(op.op_));
+  }
+  TORCH_CHECK_TYPE(comm::is_reduction_supported(spec.type, spec.kind), label.prefix(),
+                   "ReduceOp.", comm::reduce_kind_name(spec.kind), " is not defined for dtype ",
+                   type, " (bitwise ops need an integer or bool dtype)");
+  return spec;
+}
+
+}  // namespace fsdp_ext::backend

@@ -1,0 +1,20 @@
+// torch dtypes and c10d reduce ops -> the communication core's types.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include "backend/op_label.hpp"
+#include "comm/algorithms/algorithms.h"
+
+namespace fsdp_ext::backend {
+
+// The element type for a reduction; rejects dtypes the kernels do not cover.
+comm::DataType reduction_dtype(const OpLabel& label, at::ScalarType type);
+
+// Maps SUM/AVG/PRODUCT/MIN/MAX/BAND/BOR/BXOR/PREMUL_SUM, rejecting pairs that
+// make no sense (bitwise on floats, AVG or PREMUL_SUM on integers).
+comm::ReduceSpec reduce_spec(const OpLabel& label, const c10d::ReduceOp& op,
+                             at::ScalarType type, int group_size);
+
+}  // namespace fsdp_ext::backend

@@ -1,0 +1,52 @@
+# The two commands of the README: `make demo` and `make test`. Each sets up
+# what a fresh Debian 12 machine lacks (UCX, a venv with torch 2.13.0 CPU,
+# the build) before it runs.
+SHELL := /bin/bash
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# Tests and demo stay on loopback: shared memory between local ranks, TCP on lo.
+export UCX_NET_DEVICES ?= lo
+export UCX_TLS ?= self,sm,tcp
+export UCX_LOG_LEVEL ?= error
+
+.PHONY: setup system-deps venv build test demo bench clean
+
+setup: build
+
+system-deps:
+	@if ! pkg-config --exists ucx 2>/dev/null; then \
+	  echo "== installing UCX (libucx-dev) from Debian"; \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libucx-dev ucx-utils pkg-config ccache >/dev/null; \
+	fi
+
+$(VENV)/.installed:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Pin torch exactly: a bare `torch` would pull the newest CUDA build.
+	$(PY) -m pip install -q torch==$(TORCH_VERSION) numpy pytest ninja setuptools wheel matplotlib
+	touch $@
+
+venv: system-deps $(VENV)/.installed
+
+build: venv
+	PATH=/usr/lib/ccache:$$PATH MAX_JOBS=2 $(PY) setup.py -q build_ext --inplace
+	@# Make the in-tree package importable from the venv (an editable install
+	@# without pip re-running the build in a temporary directory).
+	@echo "$(CURDIR)" > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch_fsdp_ext_dev.pth
+	$(PY) -c "import torch_fsdp_ext, torch.distributed as d; assert 'fsdp_ext' in d.Backend.backend_list; print('torch_fsdp_ext built for torch', __import__('torch').__version__)"
+
+test: build
+	$(PY) -m pytest test -q -p no:cacheprovider
+
+demo: build
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/train_fsdp.py
+
+bench: build
+	$(PY) benchmarks/collectives.py
+
+clean:
+	rm -rf build torch_fsdp_ext/_C*.so

@@ -1,0 +1,122 @@
+"""A pool of long-lived worker processes, one per rank, for multi-rank tests.
+
+Starting torch and a process group costs seconds per process, so each world
+size gets one pool for the whole session: the workers initialise
+``fsdp_ext`` (plus a gloo group for comparisons) once, then run test
+functions sent to them. ``pool.run(fn, *args)`` calls ``fn(ctx, *args)`` on
+every rank and returns the per-rank results, or raises with every failing
+rank's traceback. A call that exceeds its time limit kills the pool (a test
+must never hang the suite); the next test gets a fresh one.
+"""
+
+import datetime
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from dataclasses import dataclass
+
+DEFAULT_CALL_TIMEOUT = 180.0
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    gloo_group: object  # a gloo group over the same ranks, for parity checks
+
+
+def _worker_main(rank, world_size, init_file, conn):
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("UCX_TLS", "self,sm,tcp")
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    import torch
+    import torch.distributed as dist
+
+    import torch_fsdp_ext  # noqa: F401
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "fsdp_ext",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    ctx = RankContext(rank, world_size, dist.new_group(backend="gloo"))
+    conn.send(("ready", None))
+    while True:
+        message = conn.recv()
+        if message is None:
+            break
+        fn, args = message
+        try:
+            conn.send(("ok", fn(ctx, *args)))
+        except BaseException:  # report everything, including assertion errors
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+    conn.send(("closed", None))
+
+
+class WorkerPool:
+    def __init__(self, world_size):
+        self.world_size = world_size
+        context = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory()
+        init_file = os.path.join(self._tmp.name, "init")
+        self._conns = []
+        self._procs = []
+        for rank in range(world_size):
+            parent, child = context.Pipe()
+            proc = context.Process(
+                target=_worker_main, args=(rank, world_size, init_file, child), daemon=True
+            )
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        for rank in range(world_size):
+            self._receive(rank, 120.0, "start-up")
+
+    def _receive(self, rank, timeout, what):
+        conn = self._conns[rank]
+        if not conn.poll(timeout):
+            self.kill()
+            raise TimeoutError(f"rank {rank} did not answer within {timeout}s ({what})")
+        return conn.recv()
+
+    def run(self, fn, *args, timeout=DEFAULT_CALL_TIMEOUT):
+        for conn in self._conns:
+            conn.send((fn, args))
+        results, failures = [], []
+        for rank in range(self.world_size):
+            status, value = self._receive(rank, timeout, fn.__name__)
+            if status == "error":
+                failures.append(f"--- rank {rank} ---\n{value}")
+            results.append(value)
+        if failures:
+            raise AssertionError(
+                f"{fn.__name__} failed on {len(failures)} of {self.world_size} ranks:\n"
+                + "\n".join(failures)
+            )
+        return results
+
+    def close(self):
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(timeout=30)
+        self.kill()
+        self._tmp.cleanup()
+
+    def kill(self):
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+    @property
+    def alive(self):
+        return all(p.is_alive() for p in self._procs)

@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "backend/type_mapping.hpp"
+
 namespace fsdp_ext::backend {
 
 void check_tensor(const OpLabel& label, const at::Tensor& tensor, const char* role) {
@@ -36,8 +38,8 @@ void check_count(const OpLabel& label, size_t actual, size_t expected, const cha
 void check_same_dtype(const OpLabel& label, const at::Tensor& a, const char* a_role,
                       const at::Tensor& b, const char* b_role) {
   TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), label.prefix(), a_role,
-                   " has dtype ", a.scalar_type(), " but ", b_role, " has dtype ",
-                   b.scalar_type(), "; they must match");
+                   " has dtype ", dtype_name(a.scalar_type()), " but ", b_role,
+                   " has dtype ", dtype_name(b.scalar_type()), "; they must match");
 }
 
 void check_numel(const OpLabel& label, int64_t actual, int64_t expected,

@@ -4,6 +4,24 @@
 
 namespace fsdp_ext::backend {
 
+std::string dtype_name(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kBool: return "torch.bool";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    default: return std::string("torch.") + c10::toString(type);
+  }
+}
+
 comm::DataType reduction_dtype(const OpLabel& label, at::ScalarType type) {
   switch (type) {
     case at::kFloat: return comm::DataType::kFloat32;
@@ -16,7 +34,7 @@ comm::DataType reduction_dtype(const OpLabel& label, at::ScalarType type) {
     case at::kLong: return comm::DataType::kInt64;
     case at::kBool: return comm::DataType::kBool;
     default:
-      TORCH_CHECK_TYPE(false, label.prefix(), "reductions on dtype ", type,
+      TORCH_CHECK_TYPE(false, label.prefix(), "reductions on dtype ", dtype_name(type),
                        " are not supported (supported: float32, float64, float16, "
                        "bfloat16, int8, uint8, int32, int64, bool)");
   }
@@ -37,13 +55,13 @@ comm::ReduceSpec reduce_spec(const OpLabel& label, const c10d::ReduceOp& op,
     case c10d::ReduceOp::BXOR: spec.kind = comm::ReduceKind::kBitXor; break;
     case c10d::ReduceOp::AVG:
       TORCH_CHECK_TYPE(floating, label.prefix(), "ReduceOp.AVG needs a floating-point "
-                       "dtype, got ", type, " (integer averages would truncate)");
+                       "dtype, got ", dtype_name(type), " (integer averages would truncate)");
       spec.kind = comm::ReduceKind::kSum;
       spec.post_scale = 1.0 / group_size;
       break;
     case c10d::ReduceOp::PREMUL_SUM: {
       TORCH_CHECK_TYPE(floating, label.prefix(), "PREMUL_SUM needs a floating-point "
-                       "dtype, got ", type);
+                       "dtype, got ", dtype_name(type));
       TORCH_CHECK_VALUE(op.supplement_.defined(), label.prefix(),
                         "PREMUL_SUM without a factor");
       const auto* factor = static_cast<const c10d::PreMulSumSupplement*>(op.supplement_.get());
@@ -63,7 +81,7 @@ comm::ReduceSpec reduce_spec(const OpLabel& label, const c10d::ReduceOp& op,
   }
   TORCH_CHECK_TYPE(comm::is_reduction_supported(spec.type, spec.kind), label.prefix(),
                    "ReduceOp.", comm::reduce_kind_name(spec.kind), " is not defined for dtype ",
-                   type, " (bitwise ops need an integer or bool dtype)");
+                   dtype_name(type), " (bitwise ops need an integer or bool dtype)");
   return spec;
 }
 

@@ -9,6 +9,9 @@
 
 namespace fsdp_ext::backend {
 
+// "torch.float32" rather than c10's "Float": the name users write.
+std::string dtype_name(at::ScalarType type);
+
 // The element type for a reduction; rejects dtypes the kernels do not cover.
 comm::DataType reduction_dtype(const OpLabel& label, at::ScalarType type);
 

@@ -1,0 +1,44 @@
+"""A small causal transformer LM, enough to exercise FSDP over many blocks."""
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        seq = x.shape[1]
+        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, vocab=256, dim=64, heads=4, layers=4, max_seq=64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(max_seq, dim) * 0.02)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def batch_for(rank, step, batch=4, seq=32, vocab=256):
+    """Deterministic per-rank data: a learnable pattern (next = token + 1)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    start = torch.randint(0, vocab, (batch, 1), generator=g)
+    tokens = (start + torch.arange(seq + 1)) % vocab
+    return tokens[:, :-1], tokens[:, 1:]

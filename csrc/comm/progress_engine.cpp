@@ -85,17 +85,20 @@ ProgressEngine::~ProgressEngine() {
 }
 
 void ProgressEngine::submit(EngineOp op) {
+  bool refused = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (stop_requested_) {
-      OpOutcome outcome;
-      outcome.ok = false;
-      outcome.kind = ErrorKind::kAborted;
-      outcome.message = describe(op, 0) + ": the process group was shut down";
-      if (op.on_done) op.on_done(outcome);
-      return;
-    }
-    queue_.push_back(std::move(op));
+    refused = stop_requested_;
+    if (!refused) queue_.push_back(std::move(op));
+  }
+  if (refused) {
+    // Completed outside the lock: the callback may run user code.
+    OpOutcome outcome;
+    outcome.ok = false;
+    outcome.kind = ErrorKind::kAborted;
+    outcome.message = describe(op, 0) + ": the process group was already shut down";
+    finish(op, outcome);
+    return;
   }
   signal_event_fd(submit_event_fd_);
 }

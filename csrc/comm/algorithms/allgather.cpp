@@ -18,12 +18,12 @@ void allgather_direct(OpContext& context, ConstSpan input,
   requests.reserve(2 * static_cast<size_t>(n));
   for (int k = 1; k < n; ++k) {
     const int from = detail::wrap(r - k, n);
-    requests.push_back(context.recv(from, 0, detail::valid_address(outputs[from].data),
+    requests.push_back(context.recv(from, 0, outputs[from].data,
                                     outputs[from].bytes));
   }
   for (int k = 1; k < n; ++k) {
     requests.push_back(
-        context.send(detail::wrap(r + k, n), 0, detail::valid_address(input.data), input.bytes));
+        context.send(detail::wrap(r + k, n), 0, input.data, input.bytes));
   }
   detail::copy_if_distinct(outputs[r].data, input.data, input.bytes);
   context.wait_all(requests);
@@ -41,11 +41,11 @@ void allgather_ring(OpContext& context, ConstSpan input,
     const int send_block = detail::wrap(r - step, n);
     const int recv_block = detail::wrap(r - step - 1, n);
     requests[0] = context.recv(prev, static_cast<uint32_t>(step),
-                               detail::valid_address(outputs[recv_block].data),
+                               outputs[recv_block].data,
                                outputs[recv_block].bytes);
     const void* source = step == 0 ? input.data : outputs[send_block].data;
     requests[1] = context.send(next, static_cast<uint32_t>(step),
-                               detail::valid_address(source), outputs[send_block].bytes);
+                               source, outputs[send_block].bytes);
     context.wait_all(requests);
   }
 }

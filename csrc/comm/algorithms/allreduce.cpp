@@ -29,7 +29,7 @@ void allreduce_direct(OpContext& context, MutableSpan data, const ReduceSpec& sp
   }
   for (int k = 1; k < n; ++k) {
     requests.push_back(context.send(detail::wrap(r + k, n), 0,
-                                    detail::valid_address(data.data), data.bytes));
+                                    data.data, data.bytes));
   }
   context.wait_all(requests);
   contributions[r] = data.data;

@@ -13,13 +13,13 @@ void alltoall(OpContext& context, const std::vector<ConstSpan>& inputs,
   requests.reserve(2 * static_cast<size_t>(n));
   for (int k = 1; k < n; ++k) {
     const int from = detail::wrap(r - k, n);
-    requests.push_back(context.recv(from, 0, detail::valid_address(outputs[from].data),
+    requests.push_back(context.recv(from, 0, outputs[from].data,
                                     outputs[from].bytes));
   }
   for (int k = 1; k < n; ++k) {
     const int to = detail::wrap(r + k, n);
     requests.push_back(
-        context.send(to, 0, detail::valid_address(inputs[to].data), inputs[to].bytes));
+        context.send(to, 0, inputs[to].data, inputs[to].bytes));
   }
   detail::copy_if_distinct(outputs[r].data, inputs[r].data, inputs[r].bytes);
   context.wait_all(requests);

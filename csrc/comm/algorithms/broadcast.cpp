@@ -17,10 +17,10 @@ void broadcast_flat(OpContext& context, MutableSpan data, int root) {
   if (r == root) {
     for (int k = 1; k < n; ++k) {
       requests.push_back(context.send(detail::wrap(r + k, n), 0,
-                                      detail::valid_address(data.data), data.bytes));
+                                      data.data, data.bytes));
     }
   } else {
-    requests.push_back(context.recv(root, 0, detail::valid_address(data.data), data.bytes));
+    requests.push_back(context.recv(root, 0, data.data, data.bytes));
   }
   context.wait_all(requests);
 }
@@ -32,7 +32,7 @@ void broadcast_binomial(OpContext& context, MutableSpan data, int root) {
   while (mask < n) {
     if (relative & mask) {
       std::vector<Request> receive{context.recv(detail::wrap(relative - mask + root, n), 0,
-                                                detail::valid_address(data.data),
+                                                data.data,
                                                 data.bytes)};
       context.wait_all(receive);
       break;
@@ -43,7 +43,7 @@ void broadcast_binomial(OpContext& context, MutableSpan data, int root) {
   for (mask >>= 1; mask > 0; mask >>= 1) {
     if (relative + mask < n) {
       sends.push_back(context.send(detail::wrap(relative + mask + root, n), 0,
-                                   detail::valid_address(data.data), data.bytes));
+                                   data.data, data.bytes));
     }
   }
   context.wait_all(sends);

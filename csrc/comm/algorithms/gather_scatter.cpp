@@ -13,13 +13,13 @@ void gather(OpContext& context, ConstSpan input, const std::vector<MutableSpan>&
   if (r == root) {
     for (int p = 0; p < n; ++p) {
       if (p == r) continue;
-      requests.push_back(context.recv(p, 0, detail::valid_address(outputs[p].data),
+      requests.push_back(context.recv(p, 0, outputs[p].data,
                                       outputs[p].bytes));
     }
     detail::copy_if_distinct(outputs[r].data, input.data, input.bytes);
   } else {
     requests.push_back(
-        context.send(root, 0, detail::valid_address(input.data), input.bytes));
+        context.send(root, 0, input.data, input.bytes));
   }
   context.wait_all(requests);
 }
@@ -32,13 +32,13 @@ void scatter(OpContext& context, const std::vector<ConstSpan>& inputs, MutableSp
   if (r == root) {
     for (int p = 0; p < n; ++p) {
       if (p == r) continue;
-      requests.push_back(context.send(p, 0, detail::valid_address(inputs[p].data),
+      requests.push_back(context.send(p, 0, inputs[p].data,
                                       inputs[p].bytes));
     }
     detail::copy_if_distinct(output.data, inputs[r].data, output.bytes);
   } else {
     requests.push_back(
-        context.recv(root, 0, detail::valid_address(output.data), output.bytes));
+        context.recv(root, 0, output.data, output.bytes));
   }
   context.wait_all(requests);
 }

@@ -11,7 +11,7 @@ void reduce(OpContext& context, MutableSpan data, int root, const ReduceSpec& sp
   const size_t count = data.bytes / element_size(spec.type);
   if (r != root) {
     std::vector<Request> send{context.send(
-        root, 0, detail::valid_address(detail::pre_scaled(context, data.data, data.bytes, spec)),
+        root, 0, detail::pre_scaled(context, data.data, data.bytes, spec),
         data.bytes)};
     context.wait_all(send);
     return;

@@ -44,7 +44,7 @@ void reduce_scatter_direct(OpContext& context, const std::vector<ConstSpan>& inp
   const size_t receive_count = requests.size();
   for (int k = 1; k < n; ++k) {
     const int to = detail::wrap(r + k, n);
-    requests.push_back(context.send(to, 0, detail::valid_address(inputs[to].data),
+    requests.push_back(context.send(to, 0, inputs[to].data,
                                     inputs[to].bytes));
   }
   detail::copy_if_distinct(output.data, inputs[r].data, output.bytes);
@@ -75,7 +75,7 @@ void reduce_scatter_ring(OpContext& context, const std::vector<ConstSpan>& input
     requests[0] = context.recv(prev, static_cast<uint32_t>(step), incoming,
                                inputs[recv_block].bytes);
     requests[1] = context.send(next, static_cast<uint32_t>(step),
-                               detail::valid_address(outgoing), inputs[send_block].bytes);
+                               outgoing, inputs[send_block].bytes);
     context.wait_all(requests);
     const size_t count = inputs[recv_block].bytes / element_size(spec.type);
     if (step < n - 2) {

@@ -8,18 +8,6 @@
 
 namespace fsdp_ext::comm::detail {
 
-// UCX wants a valid address even for 0-byte messages (empty tensors may have
-// a null data pointer). Zero-size messages are still sent, so a rank whose
-// sizes differ is reported as a mismatch instead of hanging.
-inline void* valid_address(void* p) {
-  static char dummy;
-  return p ? p : &dummy;
-}
-inline const void* valid_address(const void* p) {
-  static const char dummy = 0;
-  return p ? p : &dummy;
-}
-
 inline void copy_if_distinct(void* dst, const void* src, size_t bytes) {
   if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
 }

@@ -47,6 +47,24 @@ def check_bad_input(ctx):
     if n > 1:
         expect_error(ValueError, ["all_to_all_single", "does not divide"] + where,
                      lambda: dist.all_to_all_single(torch.empty(n * 2 + 1), torch.empty(n * 2 + 1)))
+    # gather/scatter root lists, through the backend (dist.gather would leave
+    # the other ranks waiting for the root that raised).
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    gather_opts, scatter_opts = dist.GatherOptions(), dist.ScatterOptions()
+    gather_opts.rootRank = scatter_opts.rootRank = 0
+    t = torch.ones(2)
+    if rank == 0:
+        expect_error(ValueError, ["gather", "one per rank"] + where,
+                     lambda: backend.gather([[t] * (n + 1)], [t], gather_opts))
+        expect_error(ValueError, ["scatter", "one per rank"] + where,
+                     lambda: backend.scatter([t], [[t] * (n + 1)], scatter_opts))
+        expect_error(ValueError, ["gather", "each output must match the input"] + where,
+                     lambda: backend.gather([[torch.ones(3)] * n], [t], gather_opts))
+    else:
+        expect_error(ValueError, ["gather", "only the root (rank 0)"] + where,
+                     lambda: backend.gather([[t] * n], [t], gather_opts))
+        expect_error(ValueError, ["scatter", "only the root (rank 0)"] + where,
+                     lambda: backend.scatter([t], [[t] * n], scatter_opts))
     # The group is still healthy after rejected calls: nothing reached the wire.
     t = torch.ones(3)
     dist.all_reduce(t)

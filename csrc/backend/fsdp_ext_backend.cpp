@@ -335,11 +335,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allgather(
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   const OpLabel l = label("all_gather_into_tensor");
-  check_tensor(l, input, "input");
-  check_tensor(l, output, "output");
-  check_same_dtype(l, output, "output", input, "input");
-  check_numel(l, output.numel(), input.numel() * size_,
-              "output must hold world_size (" + std::to_string(size_) + ") x input");
+  check_gather_into_tensor(l, output, input, "");
   at::Tensor in = input;
   at::Tensor out = output;
   const int parts = size_;
@@ -356,11 +352,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allgather_into_tensor_coalesced(
   const OpLabel l = label("all_gather_into_tensor_coalesced");
   check_count(l, outputs.size(), inputs.size(), "output tensors (one per input)");
   for (size_t i = 0; i < inputs.size(); ++i) {
-    check_tensor(l, inputs[i], "input");
-    check_tensor(l, outputs[i], "output");
-    check_same_dtype(l, outputs[i], "output", inputs[i], "input");
-    check_numel(l, outputs[i].numel(), inputs[i].numel() * size_,
-                "output " + std::to_string(i) + " must hold world_size x input");
+    check_gather_into_tensor(l, outputs[i], inputs[i], " " + std::to_string(i));
   }
   std::vector<at::Tensor> ins = inputs;
   std::vector<at::Tensor> outs = outputs;
@@ -383,20 +375,8 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::gather(
   const int root = static_cast<int>(opts.rootRank);
   check_count(l, inputs.size(), 1, "input tensor");
   check_tensor(l, inputs[0], "input");
-  std::vector<at::Tensor> list;
-  if (rank_ == root) {
-    check_count(l, outputs.size(), 1, "output tensor list on the root");
-    check_count(l, outputs[0].size(), static_cast<size_t>(size_), "output tensors (one per rank)");
-    check_tensors(l, outputs[0], "output");
-    for (const at::Tensor& output : outputs[0]) {
-      check_same_dtype(l, output, "an output", inputs[0], "the input");
-      check_numel(l, output.numel(), inputs[0].numel(), "each output must match the input");
-    }
-    list = outputs[0];
-  } else {
-    TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), l.prefix(),
-                      "only the root (rank ", root, ") may pass output tensors");
-  }
+  const std::vector<at::Tensor> list =
+      root_tensor_list(l, outputs, root, inputs[0], "output", "input");
   at::Tensor input = inputs[0];
   return enqueue(l, c10d::OpType::GATHER, "fsdp_ext:gather", true,
                  resolve_timeout(opts.timeout), list, {input},
@@ -415,20 +395,8 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::scatter(
   const int root = static_cast<int>(opts.rootRank);
   check_count(l, outputs.size(), 1, "output tensor");
   check_tensor(l, outputs[0], "output");
-  std::vector<at::Tensor> list;
-  if (rank_ == root) {
-    check_count(l, inputs.size(), 1, "input tensor list on the root");
-    check_count(l, inputs[0].size(), static_cast<size_t>(size_), "input tensors (one per rank)");
-    check_tensors(l, inputs[0], "input");
-    for (const at::Tensor& input : inputs[0]) {
-      check_same_dtype(l, input, "an input", outputs[0], "the output");
-      check_numel(l, input.numel(), outputs[0].numel(), "each input must match the output");
-    }
-    list = inputs[0];
-  } else {
-    TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), l.prefix(),
-                      "only the root (rank ", root, ") may pass input tensors");
-  }
+  const std::vector<at::Tensor> list =
+      root_tensor_list(l, inputs, root, outputs[0], "input", "output");
   at::Tensor output = outputs[0];
   return enqueue(l, c10d::OpType::SCATTER, "fsdp_ext:scatter", true,
                  resolve_timeout(opts.timeout), {output}, list,
@@ -466,11 +434,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   const OpLabel l = label("reduce_scatter_tensor");
-  check_tensor(l, input, "input");
-  check_tensor(l, output, "output");
-  check_same_dtype(l, output, "output", input, "input");
-  check_numel(l, input.numel(), output.numel() * size_,
-              "input must hold world_size (" + std::to_string(size_) + ") x output");
+  check_scatter_from_tensor(l, output, input, "");
   const comm::ReduceSpec spec = reduce_spec(l, opts.reduceOp, output.scalar_type(), size_);
   at::Tensor in = input;
   at::Tensor out = output;
@@ -490,11 +454,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::reduce_scatter_tensor_coalesced(
   check_count(l, outputs.size(), inputs.size(), "output tensors (one per input)");
   std::vector<comm::ReduceSpec> specs;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    check_tensor(l, inputs[i], "input");
-    check_tensor(l, outputs[i], "output");
-    check_same_dtype(l, outputs[i], "output", inputs[i], "input");
-    check_numel(l, inputs[i].numel(), outputs[i].numel() * size_,
-                "input " + std::to_string(i) + " must hold world_size x output");
+    check_scatter_from_tensor(l, outputs[i], inputs[i], " " + std::to_string(i));
     specs.push_back(reduce_spec(l, opts.reduceOp, outputs[i].scalar_type(), size_));
   }
   std::vector<at::Tensor> ins = inputs;

@@ -53,4 +53,45 @@ void check_rank(const OpLabel& label, int64_t rank, const char* role) {
                     " rank ", rank, "; the group has ranks 0..", label.size - 1);
 }
 
+void check_gather_into_tensor(const OpLabel& label, const at::Tensor& output,
+                              const at::Tensor& input, const std::string& which) {
+  check_tensor(label, input, "input");
+  check_tensor(label, output, "output");
+  check_same_dtype(label, output, "output", input, "input");
+  check_numel(label, output.numel(), input.numel() * label.size,
+              "output" + which + " must hold world_size (" + std::to_string(label.size) +
+                  ") x input");
+}
+
+void check_scatter_from_tensor(const OpLabel& label, const at::Tensor& output,
+                               const at::Tensor& input, const std::string& which) {
+  check_tensor(label, input, "input");
+  check_tensor(label, output, "output");
+  check_same_dtype(label, output, "output", input, "input");
+  check_numel(label, input.numel(), output.numel() * label.size,
+              "input" + which + " must hold world_size (" + std::to_string(label.size) +
+                  ") x output");
+}
+
+std::vector<at::Tensor> root_tensor_list(const OpLabel& label,
+                                         const std::vector<std::vector<at::Tensor>>& lists,
+                                         int root, const at::Tensor& reference,
+                                         const char* list_role, const char* reference_role) {
+  if (label.rank != root) {
+    TORCH_CHECK_VALUE(lists.empty() || lists[0].empty(), label.prefix(), "only the root (rank ",
+                      root, ") may pass ", list_role, " tensors");
+    return {};
+  }
+  TORCH_CHECK_VALUE(lists.size() == 1 && lists[0].size() == static_cast<size_t>(label.size),
+                    label.prefix(), "the root must pass one list of ", label.size, " ", list_role,
+                    " tensors (one per rank)");
+  for (const at::Tensor& tensor : lists[0]) {
+    check_tensor(label, tensor, list_role);
+    check_same_dtype(label, tensor, list_role, reference, reference_role);
+    check_numel(label, tensor.numel(), reference.numel(),
+                std::string("each ") + list_role + " must match the " + reference_role);
+  }
+  return lists[0];
+}
+
 }  // namespace fsdp_ext::backend

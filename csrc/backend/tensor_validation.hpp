@@ -22,4 +22,20 @@ void check_numel(const OpLabel& label, int64_t actual, int64_t expected,
                  const std::string& what);
 void check_rank(const OpLabel& label, int64_t rank, const char* role);
 
+// all_gather_into_tensor layout: output holds world_size x input. `which`
+// names the pair inside a coalesced call ("" for a single op).
+void check_gather_into_tensor(const OpLabel& label, const at::Tensor& output,
+                              const at::Tensor& input, const std::string& which);
+// reduce_scatter_tensor layout: input holds world_size x output.
+void check_scatter_from_tensor(const OpLabel& label, const at::Tensor& output,
+                               const at::Tensor& input, const std::string& which);
+
+// gather's outputs / scatter's inputs: on the root, one tensor per rank, each
+// like `reference` (the tensor every rank passes); elsewhere none. Returns
+// the root's list, or an empty one.
+std::vector<at::Tensor> root_tensor_list(const OpLabel& label,
+                                         const std::vector<std::vector<at::Tensor>>& lists,
+                                         int root, const at::Tensor& reference,
+                                         const char* list_role, const char* reference_role);
+
 }  // namespace fsdp_ext::backend

@@ -1,7 +1,6 @@
 """Registers ``fsdp_ext`` with torch.distributed (once per process)."""
 
 import atexit
-import datetime
 
 import torch.distributed as dist
 
@@ -12,14 +11,11 @@ BACKEND_NAME = "fsdp_ext"
 
 def _create_backend(dist_backend_opts, backend_options):
     """Factory torch.distributed calls for every group that uses fsdp_ext."""
-    timeout = dist_backend_opts.timeout
-    if not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=float(timeout.total_seconds()))
     return _C.FsdpExtBackend(
         dist_backend_opts.store,
         dist_backend_opts.group_rank,
         dist_backend_opts.group_size,
-        timeout,
+        dist_backend_opts.timeout,  # a timedelta
         str(dist_backend_opts.group_id),
     )
 

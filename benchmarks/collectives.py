@@ -20,6 +20,8 @@ import statistics
 import tempfile
 import time
 
+from torch_fsdp_ext import _C
+
 OPS = ["all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast"]
 
 
@@ -137,15 +139,6 @@ def measure_memcpy(sizes):
     return out
 
 
-def algorithm_for(op, nbytes, world):
-    """The algorithm fsdp_ext's selection picks (mirrors algorithm_selection.cpp)."""
-    if op == "broadcast":
-        return "flat"
-    if op == "all_reduce":
-        return "direct" if nbytes <= 64 << 10 else "rs+ag"
-    return "ring" if nbytes >= 1 << 20 and world >= 4 else "direct"
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -174,7 +167,7 @@ def main():
             worst = max(entry["seconds"]["fsdp_ext"])
             row = {
                 "op": entry["op"], "world_size": n, "bytes": nbytes,
-                "algorithm": algorithm_for(entry["op"], nbytes, n),
+                "algorithm": _C._selected_algorithm(entry["op"], nbytes, n),
                 "fsdp_ext_us": med["fsdp_ext"] * 1e6, "gloo_us": med["gloo"] * 1e6,
                 "fsdp_ext_worst_over_median": worst / med["fsdp_ext"],
                 "fsdp_ext_busbw_GBps": nbytes * bus_factor(entry["op"], n) / med["fsdp_ext"] / 1e9,

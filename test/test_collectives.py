@@ -26,6 +26,7 @@ ALGORITHM_VARIABLES = (
     "FSDP_EXT_ALLGATHER_ALGO",
     "FSDP_EXT_REDUCE_SCATTER_ALGO",
     "FSDP_EXT_ALLREDUCE_ALGO",
+    "FSDP_EXT_BROADCAST_ALGO",
 )
 
 
@@ -108,16 +109,25 @@ def check_all_gather(ctx):
                     assert_equal(outs[r], pattern(r, numel + 2 * r, dtype), f"{label} list from {r}")
 
 
-def check_broadcast_gather_scatter(ctx):
+def check_broadcast(ctx):
+    """Flat and binomial-tree broadcast (the tree is the default above 8 ranks)."""
+    n, rank = ctx.world_size, ctx.rank
+    for algorithm in forced_algorithms():
+        for root in range(n):
+            for dtype in (torch.float32, torch.bfloat16, torch.bool, torch.int64):
+                for numel in SIZES + [100000]:
+                    t = pattern(rank, numel, dtype)
+                    dist.broadcast(t, src=root)
+                    assert_equal(t, pattern(root, numel, dtype),
+                                 f"broadcast {algorithm} root={root} {dtype} n={numel}")
+
+
+def check_gather_scatter(ctx):
     n, rank = ctx.world_size, ctx.rank
     for root in range(n):
         for dtype in DTYPES:
             for numel in SIZES + [100000]:
                 label = f"root={root} {dtype} n={numel}"
-                t = pattern(rank, numel, dtype)
-                dist.broadcast(t, src=root)
-                assert_equal(t, pattern(root, numel, dtype), "broadcast " + label)
-
                 gather_list = [torch.empty(numel, dtype=dtype) for _ in range(n)] if rank == root else None
                 dist.gather(pattern(rank, numel, dtype), gather_list, dst=root)
                 if rank == root:
@@ -320,7 +330,8 @@ def check_barrier_orders_ops(ctx):
         check_reduce,
         check_reduce_scatter,
         check_all_gather,
-        check_broadcast_gather_scatter,
+        check_broadcast,
+        check_gather_scatter,
         check_all_to_all,
         check_point_to_point,
         check_async_work_and_futures,
@@ -333,3 +344,27 @@ def check_barrier_orders_ops(ctx):
 )
 def test_collective(pool, check):
     pool.run(check)
+
+
+def test_algorithm_selection_by_size_and_override(monkeypatch):
+    """Sizes pick the algorithm; the environment variables force one."""
+    from torch_fsdp_ext import _C
+
+    for variable in ALGORITHM_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    mib = 1 << 20
+    assert _C._selected_algorithm("all_gather_into_tensor", mib, 4) == "ring"
+    assert _C._selected_algorithm("all_gather_into_tensor", mib - 4, 4) == "direct"
+    assert _C._selected_algorithm("reduce_scatter_tensor", mib, 2) == "direct"
+    assert _C._selected_algorithm("all_reduce", 64 << 10, 4) == "direct"
+    assert _C._selected_algorithm("all_reduce", (64 << 10) + 4, 2) == "ring"
+    assert _C._selected_algorithm("broadcast", mib, 8) == "direct"
+    assert _C._selected_algorithm("broadcast", 8, 9) == "ring"
+    monkeypatch.setenv("FSDP_EXT_BROADCAST_ALGO", "ring")
+    assert _C._selected_algorithm("broadcast", 8, 2) == "ring"
+    monkeypatch.setenv("FSDP_EXT_ALLGATHER_ALGO", "ring")
+    assert _C._selected_algorithm("all_gather_into_tensor", 8, 2) == "ring"
+    monkeypatch.setenv("FSDP_EXT_REDUCE_SCATTER_ALGO", "direct")
+    assert _C._selected_algorithm("reduce_scatter_tensor", 64 * mib, 8) == "direct"
+    with pytest.raises(ValueError, match="unknown op"):
+        _C._selected_algorithm("all_to_all", 8, 2)

@@ -9,6 +9,7 @@ namespace {
 constexpr size_t kRingThresholdBytes = 1 << 20;
 constexpr int kRingMinRanks = 4;
 constexpr size_t kAllreduceDirectMaxBytes = 64 << 10;
+constexpr int kBroadcastFlatMaxRanks = 8;
 
 bool forced(const char* variable, Algorithm* out) {
   const char* value = std::getenv(variable);
@@ -19,6 +20,15 @@ bool forced(const char* variable, Algorithm* out) {
   return true;
 }
 
+// All-gather and reduce-scatter move the same bytes the same way.
+Algorithm select_ring_for_large(const char* variable, size_t total_bytes, int group_size) {
+  Algorithm choice;
+  if (forced(variable, &choice)) return choice;
+  return total_bytes >= kRingThresholdBytes && group_size >= kRingMinRanks
+             ? Algorithm::kRing
+             : Algorithm::kDirect;
+}
+
 }  // namespace
 
 const char* algorithm_name(Algorithm algorithm) {
@@ -26,19 +36,11 @@ const char* algorithm_name(Algorithm algorithm) {
 }
 
 Algorithm select_allgather(size_t total_bytes, int group_size) {
-  Algorithm choice;
-  if (forced("FSDP_EXT_ALLGATHER_ALGO", &choice)) return choice;
-  return total_bytes >= kRingThresholdBytes && group_size >= kRingMinRanks
-             ? Algorithm::kRing
-             : Algorithm::kDirect;
+  return select_ring_for_large("FSDP_EXT_ALLGATHER_ALGO", total_bytes, group_size);
 }
 
 Algorithm select_reduce_scatter(size_t total_bytes, int group_size) {
-  Algorithm choice;
-  if (forced("FSDP_EXT_REDUCE_SCATTER_ALGO", &choice)) return choice;
-  return total_bytes >= kRingThresholdBytes && group_size >= kRingMinRanks
-             ? Algorithm::kRing
-             : Algorithm::kDirect;
+  return select_ring_for_large("FSDP_EXT_REDUCE_SCATTER_ALGO", total_bytes, group_size);
 }
 
 Algorithm select_allreduce(size_t bytes, int group_size) {
@@ -48,6 +50,14 @@ Algorithm select_allreduce(size_t bytes, int group_size) {
   // then all-gather (each of which picks its own algorithm).
   return bytes <= kAllreduceDirectMaxBytes || group_size <= 1 ? Algorithm::kDirect
                                                               : Algorithm::kRing;
+}
+
+Algorithm select_broadcast(size_t /*bytes*/, int group_size) {
+  Algorithm choice;
+  if (forced("FSDP_EXT_BROADCAST_ALGO", &choice)) return choice;
+  // On one host the receivers' CMA reads copy in parallel, so a flat fan-out
+  // wins until the root's per-message overhead dominates.
+  return group_size <= kBroadcastFlatMaxRanks ? Algorithm::kDirect : Algorithm::kRing;
 }
 
 }  // namespace fsdp_ext::comm

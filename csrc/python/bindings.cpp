@@ -7,6 +7,7 @@
 #include <torch/python.h>
 
 #include "backend/fsdp_ext_backend.hpp"
+#include "comm/algorithm_selection.h"
 
 namespace py = pybind11;
 using fsdp_ext::backend::FsdpExtBackend;
@@ -24,6 +25,20 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("group_name"), py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "_selected_algorithm",
+      [](const std::string& op, size_t bytes, int group_size) {
+        using namespace fsdp_ext::comm;
+        if (op == "all_gather_into_tensor") return algorithm_name(select_allgather(bytes, group_size));
+        if (op == "reduce_scatter_tensor") return algorithm_name(select_reduce_scatter(bytes, group_size));
+        if (op == "all_reduce") return algorithm_name(select_allreduce(bytes, group_size));
+        if (op == "broadcast") return algorithm_name(select_broadcast(bytes, group_size));
+        throw py::value_error("unknown op '" + op + "'");
+      },
+      py::arg("op"), py::arg("bytes"), py::arg("group_size"),
+      "The algorithm fsdp_ext picks for `op` on a message of `bytes` (the\n"
+      "all-gather output / reduce-scatter input / buffer) in a group of `group_size`.");
 
   m.def("_shutdown_all", &FsdpExtBackend::shutdown_all,
         py::call_guard<py::gil_scoped_release>(),

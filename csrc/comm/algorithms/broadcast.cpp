@@ -2,13 +2,12 @@
 //   flat    : the root sends to every rank at once (one round); on one host the
 //             receivers' CMA reads do the copying in parallel.
 //   binomial: log2(n) rounds; each rank forwards to the ranks below it.
+#include "comm/algorithm_selection.h"
 #include "comm/algorithms/algorithms.h"
 #include "comm/algorithms/span_helpers.h"
 
 namespace fsdp_ext::comm {
 namespace {
-
-constexpr int kFlatMaxRanks = 8;
 
 void broadcast_flat(OpContext& context, MutableSpan data, int root) {
   const int n = context.size();
@@ -53,7 +52,7 @@ void broadcast_binomial(OpContext& context, MutableSpan data, int root) {
 
 void broadcast(OpContext& context, MutableSpan data, int root) {
   if (context.size() == 1) return;
-  if (context.size() <= kFlatMaxRanks) {
+  if (select_broadcast(data.bytes, context.size()) == Algorithm::kDirect) {
     broadcast_flat(context, data, root);
   } else {
     broadcast_binomial(context, data, root);

@@ -2,13 +2,22 @@
 
     python benchmarks/collectives.py [--world-sizes 2 4] [--max-bytes 64M] [--repeats 5]
 
-For every op and message size, both backends run in the same processes
+For every op and message size, the contenders run in the same processes
 (fsdp_ext as the default group, gloo as a second group over the same ranks),
-alternating, so host noise hits both alike. Reports the median of the
-repeats, the algorithm bandwidth (bytes / time), the bus bandwidth (the
-bytes each rank must move, nccl-tests' convention) and the ratio to gloo;
-single-core memcpy bandwidth is the physical reference. Writes JSON to
-benchmarks/results/collectives.json.
+alternating, so host noise hits all alike:
+
+  fsdp_ext        ordinary tensors (torch.empty)
+  fsdp_ext+alloc  buffers from group._get_backend(cpu).allocate_tensor (what
+                  FSDP2 uses with set_allocate_memory_from_process_group_for_comm)
+  gloo            ordinary tensors
+
+all_gather_into_tensor uses FSDP2's layout (the input is this rank's slice of
+the output); the *_coalesced rows issue a bucket of 4 equal members inside
+dist._coalescing_manager (one fused op for fsdp_ext). Reports the median of
+the repeats (each repeat: the slowest rank), the bus bandwidth (the bytes
+each rank must move, nccl-tests' convention), ratios to gloo and to
+single-core memcpy at the same size. Writes benchmarks/results/collectives.json
+and a plot of bus bandwidth against size, collectives.png, next to it.
 """
 
 import argparse
@@ -22,7 +31,12 @@ import time
 
 from torch_fsdp_ext import _C
 
-OPS = ["all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast"]
+OPS = ["all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_into_tensor_coalesced",
+       "reduce_scatter_tensor_coalesced", "all_reduce", "broadcast"]
+# Ops that get a run with buffers allocated from the group.
+ALLOC_OPS = {"all_gather_into_tensor", "reduce_scatter_tensor",
+             "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"}
+BUCKET_MEMBERS = 4
 
 
 def parse_size(text):
@@ -58,12 +72,48 @@ def iterations_for(nbytes):
 def bus_factor(op, n):
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+    if op.startswith(("all_gather", "reduce_scatter")):
         return (n - 1) / n
     return 1.0
 
 
-def _worker(rank, world, init_file, sizes, repeats, queue):
+def _make_runner(op, nbytes, world, rank, group, allocate):
+    """A closure running `op` once on `group`, with buffers from `allocate`."""
+    import torch
+    import torch.distributed as dist
+
+    members = BUCKET_MEMBERS if op.endswith("_coalesced") else 1
+    # Each member's full size is a multiple of the world size, in floats.
+    per_member = max(world, nbytes // 4 // members) // world * world
+    fulls = [allocate(per_member) for _ in range(members)]
+    for full in fulls:
+        full.fill_(1.0)
+    if op.startswith("all_gather"):
+        parts = [f.narrow(0, rank * (per_member // world), per_member // world) for f in fulls]
+    else:
+        parts = [allocate(per_member // world) for _ in range(members)]
+
+    if op == "all_gather_into_tensor":
+        return lambda: dist.all_gather_into_tensor(fulls[0], parts[0], group=group), per_member
+    if op == "reduce_scatter_tensor":
+        return lambda: dist.reduce_scatter_tensor(parts[0], fulls[0], group=group), per_member
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(fulls[0], group=group), per_member
+    if op == "broadcast":
+        return lambda: dist.broadcast(fulls[0], src=0, group=group), per_member
+
+    def coalesced():
+        with dist._coalescing_manager(group=group):
+            for full, part in zip(fulls, parts):
+                if op.startswith("all_gather"):
+                    dist.all_gather_into_tensor(full, part, group=group)
+                else:
+                    dist.reduce_scatter_tensor(part, full, group=group)
+
+    return coalesced, per_member * members
+
+
+def _worker(rank, world, init_file, ops, sizes, repeats, queue):
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("UCX_TLS", "self,sm,tcp")
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
@@ -75,45 +125,45 @@ def _worker(rank, world, init_file, sizes, repeats, queue):
     torch.set_num_threads(1)
     dist.init_process_group("fsdp_ext", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(minutes=10))
-    groups = {"fsdp_ext": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    gloo = dist.new_group(backend="gloo")
+    cpu = torch.device("cpu")
+    backend = dist.group.WORLD._get_backend(cpu)
+    shared_memory = backend.supports_tensor_alloc(cpu)
+
+    def ordinary(numel):
+        return torch.empty(numel)
+
+    def from_group(numel):
+        return backend.allocate_tensor(numel, dtype=torch.float32, device=cpu)
+
     results = []
-    for op in OPS:
+    for op in ops:
         for nbytes in sizes:
-            # nbytes is the message size: the gathered output of all_gather,
-            # the input of reduce_scatter, the buffer of all_reduce/broadcast.
-            numel = max(world, nbytes // 4) // world * world
-            full = torch.ones(numel)
-            part = torch.ones(numel // world)
+            contenders = {"fsdp_ext": (dist.group.WORLD, ordinary), "gloo": (gloo, ordinary)}
+            if op in ALLOC_OPS and shared_memory:
+                contenders["fsdp_ext+alloc"] = (dist.group.WORLD, from_group)
+            runners = {}
+            for name, (group, allocate) in contenders.items():
+                runners[name], numel = _make_runner(op, nbytes, world, rank, group, allocate)
             iters = iterations_for(nbytes)
-
-            def run(group):
-                if op == "all_gather_into_tensor":
-                    dist.all_gather_into_tensor(full, part, group=group)
-                elif op == "reduce_scatter_tensor":
-                    dist.reduce_scatter_tensor(part, full, group=group)
-                elif op == "all_reduce":
-                    dist.all_reduce(full, group=group)
-                else:
-                    dist.broadcast(full, src=0, group=group)
-
-            samples = {name: [] for name in groups}
-            for name, group in groups.items():
-                run(group)  # warm-up (connections, scratch memory)
+            samples = {name: [] for name in runners}
+            for run in runners.values():
+                run()  # warm-up (connections, scratch and staging memory)
             for _ in range(repeats):
-                for name, group in groups.items():
-                    dist.barrier(group=group)
+                for name, run in runners.items():
+                    dist.barrier(group=gloo)
                     start = time.perf_counter()
                     for _ in range(iters):
-                        run(group)
+                        run()
                     samples[name].append((time.perf_counter() - start) / iters)
             # The op is as slow as its slowest rank: take the max over ranks.
-            for name in groups:
+            for name in runners:
                 t = torch.tensor(samples[name], dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups["gloo"])
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
                 samples[name] = t.tolist()
             if rank == 0:
                 results.append({"op": op, "bytes": numel * 4, "world_size": world,
-                                "seconds": samples})
+                                "shared_memory": shared_memory, "seconds": samples})
     if rank == 0:
         queue.put(results)
     dist.destroy_process_group()
@@ -139,11 +189,95 @@ def measure_memcpy(sizes):
     return out
 
 
+def summarize(entry, memcpy):
+    n, nbytes, op = entry["world_size"], entry["bytes"], entry["op"]
+    med = {k: statistics.median(v) for k, v in entry["seconds"].items()}
+    moved = nbytes * bus_factor(op, n)
+    reference = memcpy[min(memcpy, key=lambda s: abs(s - nbytes))]
+    base_op = op.removesuffix("_coalesced")
+    row = {
+        "op": op, "world_size": n, "bytes": nbytes,
+        "algorithm": _C._selected_algorithm(base_op, nbytes, n, entry["shared_memory"]),
+        "memcpy_GBps": reference,
+        "fsdp_ext_worst_over_median": max(entry["seconds"]["fsdp_ext"]) / med["fsdp_ext"],
+    }
+    for name, seconds in med.items():
+        row[f"{name}_us"] = seconds * 1e6
+        row[f"{name}_busbw_GBps"] = moved / seconds / 1e9
+        if name != "gloo":
+            row[f"{name}_speedup_vs_gloo"] = med["gloo"] / seconds
+            row[f"{name}_busbw_over_memcpy"] = moved / seconds / 1e9 / reference
+    if "fsdp_ext+alloc" in med:
+        row["fsdp_ext+alloc_worst_over_median"] = (max(entry["seconds"]["fsdp_ext+alloc"])
+                                                   / med["fsdp_ext+alloc"])
+    return row
+
+
+def print_table(rows):
+    header = (f"{'op':<34}{'ws':>3}{'size':>9}  {'algo':<7}{'ours us':>10}{'alloc us':>10}"
+              f"{'gloo us':>11}{'speedup':>9}{'alloc x':>9}{'busbw':>8}{'alloc':>8}{'gloo':>7}"
+              f"{'memcpy':>8}{'%mcpy':>7}{'%alloc':>7}{'worst':>7}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        alloc = "fsdp_ext+alloc" in [k.removesuffix("_us") for k in r if k.endswith("_us")]
+
+        def a(key, fmt):
+            return format(r[key], fmt) if alloc else "-"
+
+        print(f"{r['op']:<34}{r['world_size']:>3}{human(r['bytes']):>9}  {r['algorithm']:<7}"
+              f"{r['fsdp_ext_us']:>10.1f}{a('fsdp_ext+alloc_us', '.1f'):>10}{r['gloo_us']:>11.1f}"
+              f"{r['fsdp_ext_speedup_vs_gloo']:>8.1f}x"
+              f"{a('fsdp_ext+alloc_speedup_vs_gloo', '.1f'):>8}{'x' if alloc else ' '}"
+              f"{r['fsdp_ext_busbw_GBps']:>8.2f}{a('fsdp_ext+alloc_busbw_GBps', '.2f'):>8}"
+              f"{r['gloo_busbw_GBps']:>7.2f}{r['memcpy_GBps']:>8.1f}"
+              f"{100 * r['fsdp_ext_busbw_over_memcpy']:>6.0f}%"
+              f"{a('fsdp_ext+alloc_busbw_over_memcpy', '.0%'):>7}"
+              f"{r['fsdp_ext_worst_over_median']:>7.2f}")
+
+
+def plot(rows, memcpy, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = ["all_gather_into_tensor", "reduce_scatter_tensor"]
+    worlds = sorted({r["world_size"] for r in rows})
+    fig, axes = plt.subplots(len(ops), len(worlds), figsize=(6 * len(worlds), 4.2 * len(ops)),
+                             squeeze=False)
+    styles = {"fsdp_ext": ("fsdp_ext", "C0", "o-"),
+              "fsdp_ext+alloc": ("fsdp_ext, buffers from the group", "C2", "s-"),
+              "gloo": ("gloo", "C3", "^-")}
+    for i, op in enumerate(ops):
+        for j, world in enumerate(worlds):
+            ax = axes[i][j]
+            mine = [r for r in rows if r["op"] == op and r["world_size"] == world]
+            sizes = [r["bytes"] for r in mine]
+            for name, (label, color, style) in styles.items():
+                key = f"{name}_busbw_GBps"
+                if mine and key in mine[0]:
+                    ax.plot(sizes, [r[key] for r in mine], style, color=color, label=label, ms=4)
+            ax.plot(sorted(memcpy), [memcpy[s] for s in sorted(memcpy)], "k--",
+                    label="single-core memcpy", lw=1)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{op}, {world} ranks")
+            ax.set_xlabel("message size (bytes)")
+            ax.set_ylabel("bus bandwidth (GB/s)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle("fsdp_ext vs gloo on one host (2 cores): bus bandwidth against message size")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--max-bytes", type=parse_size, default=64 << 20)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--ops", nargs="+", default=OPS, choices=OPS)
     parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results",
                                                            "collectives.json"))
     args = parser.parse_args()
@@ -154,41 +288,21 @@ def main():
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         with tempfile.TemporaryDirectory() as tmp:
-            procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "init"), sizes,
-                                                       args.repeats, queue)) for r in range(world)]
+            procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "init"), args.ops,
+                                                       sizes, args.repeats, queue)) for r in range(world)]
             for p in procs:
                 p.start()
             results = queue.get(timeout=3600)
             for p in procs:
                 p.join()
-        for entry in results:
-            n, nbytes = entry["world_size"], entry["bytes"]
-            med = {k: statistics.median(v) for k, v in entry["seconds"].items()}
-            worst = max(entry["seconds"]["fsdp_ext"])
-            row = {
-                "op": entry["op"], "world_size": n, "bytes": nbytes,
-                "algorithm": _C._selected_algorithm(entry["op"], nbytes, n),
-                "fsdp_ext_us": med["fsdp_ext"] * 1e6, "gloo_us": med["gloo"] * 1e6,
-                "fsdp_ext_worst_over_median": worst / med["fsdp_ext"],
-                "fsdp_ext_busbw_GBps": nbytes * bus_factor(entry["op"], n) / med["fsdp_ext"] / 1e9,
-                "gloo_busbw_GBps": nbytes * bus_factor(entry["op"], n) / med["gloo"] / 1e9,
-                "speedup_vs_gloo": med["gloo"] / med["fsdp_ext"],
-                "memcpy_GBps": memcpy[min(memcpy, key=lambda s: abs(s - nbytes))],
-            }
-            rows.append(row)
-    header = (f"{'op':<24}{'ws':>3}{'size':>10}  {'algo':<7}{'fsdp_ext us':>12}{'gloo us':>11}"
-              f"{'speedup':>9}{'busbw GB/s':>11}{'gloo busbw':>11}{'memcpy':>8}{'worst/med':>10}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['op']:<24}{r['world_size']:>3}{human(r['bytes']):>10}  {r['algorithm']:<7}"
-              f"{r['fsdp_ext_us']:>12.1f}{r['gloo_us']:>11.1f}{r['speedup_vs_gloo']:>8.1f}x"
-              f"{r['fsdp_ext_busbw_GBps']:>11.2f}{r['gloo_busbw_GBps']:>11.2f}{r['memcpy_GBps']:>8.1f}"
-              f"{r['fsdp_ext_worst_over_median']:>10.2f}")
+        rows.extend(summarize(entry, memcpy) for entry in results)
+    print_table(rows)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump({"rows": rows, "memcpy_GBps": memcpy, "repeats": args.repeats}, f, indent=1)
-    print(f"\nwrote {args.output}")
+    png = os.path.splitext(args.output)[0] + ".png"
+    plot(rows, memcpy, png)
+    print(f"\nwrote {args.output} and {png}")
 
 
 if __name__ == "__main__":

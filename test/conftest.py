@@ -10,13 +10,14 @@ from harness import WorkerPool  # noqa: E402
 _pools = {}
 
 
-def get_pool(world_size):
-    pool = _pools.get(world_size)
+def get_pool(world_size, **env):
+    key = (world_size, tuple(sorted(env.items())))
+    pool = _pools.get(key)
     if pool is None or not pool.alive:
         if pool is not None:
             pool.kill()
-        pool = WorkerPool(world_size)
-        _pools[world_size] = pool
+        pool = WorkerPool(world_size, env)
+        _pools[key] = pool
     return pool
 
 
@@ -33,6 +34,12 @@ def pool2():
 @pytest.fixture
 def pool4():
     return get_pool(4)
+
+
+@pytest.fixture(params=[2, 3], ids=lambda n: f"ws{n}")
+def pool_without_shared_memory(request):
+    """Ranks that keep to UCX messages (FSDP_EXT_SHARED_MEMORY=0), as across hosts."""
+    return get_pool(request.param, FSDP_EXT_SHARED_MEMORY="0")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -26,7 +26,8 @@ class RankContext:
     gloo_group: object  # a gloo group over the same ranks, for parity checks
 
 
-def _worker_main(rank, world_size, init_file, conn):
+def _worker_main(rank, world_size, init_file, conn, env):
+    os.environ.update(env)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("UCX_TLS", "self,sm,tcp")
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
@@ -59,7 +60,8 @@ def _worker_main(rank, world_size, init_file, conn):
 
 
 class WorkerPool:
-    def __init__(self, world_size):
+    def __init__(self, world_size, env=None):
+        """``env``: extra environment variables for the workers (set before torch loads)."""
         self.world_size = world_size
         context = mp.get_context("spawn")
         self._tmp = tempfile.TemporaryDirectory()
@@ -69,7 +71,8 @@ class WorkerPool:
         for rank in range(world_size):
             parent, child = context.Pipe()
             proc = context.Process(
-                target=_worker_main, args=(rank, world_size, init_file, child), daemon=True
+                target=_worker_main, args=(rank, world_size, init_file, child, dict(env or {})),
+                daemon=True
             )
             proc.start()
             self._conns.append(parent)

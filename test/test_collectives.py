@@ -31,8 +31,8 @@ ALGORITHM_VARIABLES = (
 
 
 def forced_algorithms():
-    """Run a body under each algorithm in turn (auto, direct, ring)."""
-    for choice in ("auto", "direct", "ring"):
+    """Run a body under each algorithm in turn (auto, direct, ring, shared memory)."""
+    for choice in ("auto", "direct", "ring", "shm"):
         for variable in ALGORITHM_VARIABLES:
             os.environ[variable] = choice
         yield choice
@@ -353,13 +353,22 @@ def test_algorithm_selection_by_size_and_override(monkeypatch):
     for variable in ALGORITHM_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     mib = 1 << 20
-    assert _C._selected_algorithm("all_gather_into_tensor", mib, 4) == "ring"
-    assert _C._selected_algorithm("all_gather_into_tensor", mib - 4, 4) == "direct"
-    assert _C._selected_algorithm("reduce_scatter_tensor", mib, 2) == "direct"
-    assert _C._selected_algorithm("all_reduce", 64 << 10, 4) == "direct"
-    assert _C._selected_algorithm("all_reduce", (64 << 10) + 4, 2) == "ring"
-    assert _C._selected_algorithm("broadcast", mib, 8) == "direct"
-    assert _C._selected_algorithm("broadcast", 8, 9) == "ring"
+    # Groups on one host: shared memory from 32 KiB, UCX messages below.
+    assert _C._selected_algorithm("all_gather_into_tensor", 32 << 10, 2) == "shm"
+    assert _C._selected_algorithm("all_gather_into_tensor", (32 << 10) - 4, 4) == "direct"
+    for op in ("reduce_scatter_tensor", "all_reduce", "broadcast"):
+        assert _C._selected_algorithm(op, mib, 4) == "shm"
+    # Groups without shared memory: UCX messages only.
+    assert _C._selected_algorithm("all_gather_into_tensor", mib, 4, False) == "ring"
+    assert _C._selected_algorithm("all_gather_into_tensor", mib - 4, 4, False) == "direct"
+    assert _C._selected_algorithm("reduce_scatter_tensor", mib, 2, False) == "direct"
+    assert _C._selected_algorithm("all_reduce", 64 << 10, 4, False) == "direct"
+    assert _C._selected_algorithm("all_reduce", (64 << 10) + 4, 2, False) == "ring"
+    assert _C._selected_algorithm("broadcast", mib, 8, False) == "direct"
+    assert _C._selected_algorithm("broadcast", 8, 9, False) == "ring"
+    monkeypatch.setenv("FSDP_EXT_ALLREDUCE_ALGO", "shm")
+    assert _C._selected_algorithm("all_reduce", 8, 2) == "shm"
+    assert _C._selected_algorithm("all_reduce", 8, 2, False) == "direct"
     monkeypatch.setenv("FSDP_EXT_BROADCAST_ALGO", "ring")
     assert _C._selected_algorithm("broadcast", 8, 2) == "ring"
     monkeypatch.setenv("FSDP_EXT_ALLGATHER_ALGO", "ring")

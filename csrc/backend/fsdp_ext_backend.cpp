@@ -1,11 +1,15 @@
 #include "backend/fsdp_ext_backend.hpp"
 
+#include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 
+#include "backend/peer_identity.hpp"
 #include "backend/store_address_exchange.hpp"
 #include "backend/tensor_validation.hpp"
 #include "backend/type_mapping.hpp"
@@ -79,6 +83,33 @@ std::chrono::microseconds spin_from_environment() {
   return std::chrono::microseconds(std::max(0L, std::strtol(value, nullptr, 10)));
 }
 
+// FSDP_EXT_SHARED_MEMORY=0 keeps a group on UCX messages only (and makes
+// supports_tensor_alloc false), e.g. to compare or to work around a host
+// where /proc/<pid>/fd of a peer cannot be opened.
+bool shared_memory_wanted() {
+  const char* value = std::getenv("FSDP_EXT_SHARED_MEMORY");
+  return value == nullptr || std::strcmp(value, "0") != 0;
+}
+
+// Whether this rank can share memory with every peer: all on this host, and
+// each peer's probe segment maps.
+bool can_share_with_all(comm::SharedMemoryDomain& domain,
+                        const std::vector<PeerIdentity>& peers, int rank) {
+  if (!shared_memory_wanted()) return false;
+  for (int p = 0; p < static_cast<int>(peers.size()); ++p) {
+    if (peers[p].host != peers[rank].host) return false;
+  }
+  for (int p = 0; p < static_cast<int>(peers.size()); ++p) {
+    if (p == rank) continue;
+    try {
+      domain.probe_peer(p, peers[p].pid, peers[p].probe);
+    } catch (const comm::CommError&) {
+      return false;
+    }
+  }
+  return true;
+}
+
 std::mutex& registry_mutex() {
   static std::mutex mutex;
   return mutex;
@@ -99,22 +130,46 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   const OpLabel init_label = label("init");
   TORCH_CHECK_VALUE(size >= 1 && size < comm::tag::kMaxRanks, init_label.prefix(),
                     "group size ", size, " is out of range");
+  auto shared_ok = std::make_shared<int32_t>(0);
+  std::vector<pid_t> pids(size);
   try {
     auto transport = std::make_unique<comm::Transport>(rank, size);
-    transport->connect(exchange_addresses(*store, rank, size, transport->worker_address()));
+    pool_ = std::make_shared<comm::SharedBufferPool>(transport->context());
+    shared_memory_ = std::make_shared<comm::SharedMemoryDomain>(rank, pool_);
+    PeerIdentity mine{transport->worker_address(), this_host(), getpid(),
+                      shared_memory_->probe_piece()};
+    std::vector<PeerIdentity> peers;
+    std::vector<std::vector<uint8_t>> addresses;
+    for (const auto& blob : exchange_addresses(*store, rank, size, serialize(mine))) {
+      peers.push_back(deserialize_peer_identity(blob));
+      addresses.push_back(peers.back().worker_address);
+      pids[peers.size() - 1] = peers.back().pid;
+    }
+    transport->connect(addresses);
+    *shared_ok = can_share_with_all(*shared_memory_, peers, rank) ? 1 : 0;
     comm::EngineConfig config;
     config.rank = rank;
     config.size = size;
     config.group_name = group_name_;
     config.spin = spin_from_environment();
+    config.shared_memory = shared_memory_;
     engine_ = std::make_unique<comm::ProgressEngine>(config, std::move(transport));
   } catch (const comm::CommError& error) {
     C10_THROW_ERROR(DistBackendError, init_label.prefix() + error.what());
+  } catch (const std::runtime_error& error) {
+    C10_THROW_ERROR(DistBackendError, init_label.prefix() + error.what());
   }
-  // Wire up every connection now, and find a missing peer at init (within
-  // the timeout) rather than at the first collective.
+  // Wire up every connection now, find a missing peer at init (within the
+  // timeout) rather than at the first collective, and agree on shared
+  // memory: on only if every rank could map every other rank's memory.
+  auto domain = shared_memory_;
   auto work = enqueue(init_label, c10d::OpType::BARRIER, nullptr, true, default_timeout_, {},
-                      {}, [](comm::OpContext& context) { comm::barrier(context); });
+                      {}, [shared_ok, domain, pids](comm::OpContext& context) {
+                        comm::allreduce(context, comm::MutableSpan{shared_ok.get(), sizeof(int32_t)},
+                                        comm::ReduceSpec{comm::DataType::kInt32,
+                                                         comm::ReduceKind::kMin});
+                        if (*shared_ok == 1) domain->enable(pids);
+                      });
   work->wait();
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry().push_back(this);
@@ -164,13 +219,13 @@ std::chrono::milliseconds FsdpExtBackend::resolve_timeout(
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::enqueue(
     const OpLabel& label, c10d::OpType type, const char* profiling_title, bool collective,
     std::chrono::milliseconds timeout, std::vector<at::Tensor> outputs,
-    std::vector<at::Tensor> keep_alive, Body body) {
+    std::vector<at::Tensor> keep_alive, Body body, std::shared_ptr<const BucketMembers> bucket) {
   auto work = c10::make_intrusive<FsdpExtWork>(rank_, type, profiling_title, outputs);
   keep_alive.insert(keep_alive.end(), outputs.begin(), outputs.end());
   {
     std::lock_guard<std::mutex> lock(coalescing_mutex_);
     if (coalescing_ && std::this_thread::get_id() == coalescing_thread_) {
-      coalesced_ops_.push_back(CoalescedOp{collective, std::move(body), work});
+      coalesced_ops_.push_back(CoalescedOp{collective, std::move(body), work, std::move(bucket)});
       coalesced_tensors_.insert(coalesced_tensors_.end(), keep_alive.begin(),
                                 keep_alive.end());
       coalesced_timeout_ = std::max(coalesced_timeout_, timeout);
@@ -221,18 +276,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::endCoalescing() {
   op.name = "coalesced";
   op.collective = any_collective;
   op.timeout = timeout;
-  // One queued op: point-to-point members are posted (non-blocking), and
-  // collective members run in issue order, each with its own sequence number.
-  op.body = [shared_members](comm::OpContext& context) {
-    bool first_collective = true;
-    for (CoalescedOp& member : *shared_members) {
-      if (member.collective) {
-        if (!first_collective) context.begin_next_collective();
-        first_collective = false;
-      }
-      member.body(context);
-    }
-  };
+  op.body = coalesced_body(shared_members);
   op.keepalive = std::make_shared<std::vector<at::Tensor>>(std::move(tensors));
   op.on_done = [shared_members, work](const comm::OpOutcome& outcome) {
     for (CoalescedOp& member : *shared_members) member.work->complete(outcome);
@@ -240,6 +284,107 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::endCoalescing() {
   };
   engine_->submit(std::move(op));
   return work;
+}
+
+FsdpExtBackend::Body FsdpExtBackend::bucket_body(std::shared_ptr<const BucketMembers> members) {
+  return [members](comm::OpContext& context) {
+    if (!members->allgather.empty()) comm::allgather(context, members->allgather);
+    if (!members->reduce_scatter.empty()) comm::reduce_scatter(context, members->reduce_scatter);
+    if (!members->allreduce.empty()) comm::allreduce(context, members->allreduce);
+  };
+}
+
+FsdpExtBackend::Body FsdpExtBackend::coalesced_body(
+    std::shared_ptr<std::vector<CoalescedOp>> members) {
+  // Members of one kind (all all-gathers, all reduce-scatters or all
+  // all-reduces: what FSDP and _coalescing_manager issue) fuse into one
+  // bucket: one algorithm pass.
+  auto fused = std::make_shared<BucketMembers>();
+  bool fusible = !members->empty();
+  int kinds_seen = 0;
+  for (const CoalescedOp& member : *members) {
+    if (!member.bucket) {
+      fusible = false;
+      break;
+    }
+    const BucketMembers& b = *member.bucket;
+    fused->allgather.insert(fused->allgather.end(), b.allgather.begin(), b.allgather.end());
+    fused->reduce_scatter.insert(fused->reduce_scatter.end(), b.reduce_scatter.begin(),
+                                 b.reduce_scatter.end());
+    fused->allreduce.insert(fused->allreduce.end(), b.allreduce.begin(), b.allreduce.end());
+  }
+  kinds_seen = !fused->allgather.empty() + !fused->reduce_scatter.empty() +
+               !fused->allreduce.empty();
+  if (fusible && kinds_seen <= 1) return bucket_body(fused);
+  // Anything else (mixed kinds, point-to-point): one queued op whose
+  // point-to-point members are posted (non-blocking) and whose collective
+  // members run in issue order, each with its own sequence number.
+  return [members](comm::OpContext& context) {
+    bool first_collective = true;
+    for (CoalescedOp& member : *members) {
+      if (member.collective) {
+        if (!first_collective) context.begin_next_collective();
+        first_collective = false;
+      }
+      member.body(context);
+    }
+  };
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::enqueue_bucket(
+    const OpLabel& label, c10d::OpType type, const char* profiling_title,
+    std::chrono::milliseconds timeout, std::vector<at::Tensor> outputs,
+    std::vector<at::Tensor> keep_alive, BucketMembers bucket) {
+  auto members = std::make_shared<const BucketMembers>(std::move(bucket));
+  return enqueue(label, type, profiling_title, true, timeout, std::move(outputs),
+                 std::move(keep_alive), bucket_body(members), members);
+}
+
+// ------------------------------------------------------------ allocation
+
+bool FsdpExtBackend::supportsTensorAlloc(c10::DeviceIndex device_index) {
+  // c10d passes only the device index; CPU's is -1 (CUDA devices are >= 0).
+  return device_index < 0 && shared_memory_enabled();
+}
+
+at::Tensor FsdpExtBackend::allocateTensor(long size, at::TensorOptions options) {
+  const OpLabel l = label("allocate_tensor");
+  TORCH_CHECK_VALUE(size >= 0, l.prefix(), "size must be >= 0, got ", size);
+  if (options.has_device() && !options.device().is_cpu()) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, l.prefix(), "only CPU tensors can be allocated from ",
+                                "this group, not ", options.device().str());
+  }
+  TORCH_CHECK(shared_memory_enabled(), l.prefix(),
+              "this group does not share memory between its ranks (ranks on several hosts, ",
+              "a peer's memory could not be mapped, or FSDP_EXT_SHARED_MEMORY=0); check ",
+              "supports_tensor_alloc() first");
+  const caffe2::TypeMeta dtype = options.dtype();
+  const size_t bytes = static_cast<size_t>(size) * dtype.itemsize();
+  void* data = nullptr;
+  try {
+    data = pool_->allocate(bytes);
+  } catch (const comm::CommError& error) {
+    C10_THROW_ERROR(DistBackendError, l.prefix() + error.what());
+  }
+  // The tensor's deleter returns the buffer to the pool. Ops hold their
+  // tensors until they finish, so a buffer freed by Python while an op uses
+  // it only returns once the op is done; the pool itself lives as long as
+  // any of its tensors, even past the group's destruction.
+  std::shared_ptr<comm::SharedBufferPool> pool = pool_;
+  return at::from_blob(
+      data, {static_cast<int64_t>(size)},
+      [pool](void* buffer) {
+        try {
+          pool->release(buffer);
+        } catch (const std::exception&) {
+          // Not reachable for buffers from allocate(); never throw from a deleter.
+        }
+      },
+      options.device(at::kCPU));
+}
+
+size_t FsdpExtBackend::mapped_peer_segments() const {
+  return shared_memory_ ? shared_memory_->mapped_peer_segments() : 0;
 }
 
 // ---------------------------------------------------------------- collectives
@@ -266,11 +411,10 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allreduce(std::vector<at::Tensor>
   check_tensor(l, tensors[0], "tensor");
   at::Tensor tensor = tensors[0];
   const comm::ReduceSpec spec = reduce_spec(l, opts.reduceOp, tensor.scalar_type(), size_);
-  return enqueue(l, c10d::OpType::ALLREDUCE, "fsdp_ext:all_reduce", true,
-                 resolve_timeout(opts.timeout), {tensor}, {},
-                 [tensor, spec](comm::OpContext& context) {
-                   comm::allreduce(context, span_of(tensor), spec);
-                 });
+  BucketMembers bucket;
+  bucket.allreduce.push_back({span_of(tensor), spec});
+  return enqueue_bucket(l, c10d::OpType::ALLREDUCE, "fsdp_ext:all_reduce",
+                        resolve_timeout(opts.timeout), {tensor}, {}, std::move(bucket));
 }
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allreduce_coalesced(
@@ -278,19 +422,13 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allreduce_coalesced(
   const OpLabel l = label("all_reduce_coalesced");
   TORCH_CHECK_VALUE(!tensors.empty(), l.prefix(), "needs at least one tensor");
   check_tensors(l, tensors, "tensor");
-  std::vector<comm::ReduceSpec> specs;
+  BucketMembers bucket;
   for (const at::Tensor& tensor : tensors) {
-    specs.push_back(reduce_spec(l, opts.reduceOp, tensor.scalar_type(), size_));
+    bucket.allreduce.push_back(
+        {span_of(tensor), reduce_spec(l, opts.reduceOp, tensor.scalar_type(), size_)});
   }
-  std::vector<at::Tensor> list = tensors;
-  return enqueue(l, c10d::OpType::ALLREDUCE_COALESCED, "fsdp_ext:all_reduce_coalesced", true,
-                 resolve_timeout(opts.timeout), list, {},
-                 [list, specs](comm::OpContext& context) {
-                   for (size_t i = 0; i < list.size(); ++i) {
-                     if (i > 0) context.begin_next_collective();
-                     comm::allreduce(context, span_of(list[i]), specs[i]);
-                   }
-                 });
+  return enqueue_bucket(l, c10d::OpType::ALLREDUCE_COALESCED, "fsdp_ext:all_reduce_coalesced",
+                        resolve_timeout(opts.timeout), tensors, {}, std::move(bucket));
 }
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::reduce(std::vector<at::Tensor>& tensors,
@@ -323,27 +461,21 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allgather(
               "the output for this rank must match the input");
   at::Tensor input = inputs[0];
   std::vector<at::Tensor> list = outputs[0];
-  return enqueue(l, c10d::OpType::ALLGATHER, "fsdp_ext:all_gather", true,
-                 resolve_timeout(opts.timeout), list, {input},
-                 [input, list](comm::OpContext& context) {
-                   std::vector<comm::MutableSpan> spans;
-                   for (const at::Tensor& output : list) spans.push_back(span_of(output));
-                   comm::allgather(context, const_span_of(input), spans);
-                 });
+  BucketMembers bucket;
+  bucket.allgather.push_back({const_span_of(input), {}});
+  for (const at::Tensor& output : list) bucket.allgather[0].outputs.push_back(span_of(output));
+  return enqueue_bucket(l, c10d::OpType::ALLGATHER, "fsdp_ext:all_gather",
+                        resolve_timeout(opts.timeout), list, {input}, std::move(bucket));
 }
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   const OpLabel l = label("all_gather_into_tensor");
   check_gather_into_tensor(l, output, input, "");
-  at::Tensor in = input;
-  at::Tensor out = output;
-  const int parts = size_;
-  return enqueue(l, c10d::OpType::_ALLGATHER_BASE, "fsdp_ext:all_gather_into_tensor", true,
-                 resolve_timeout(opts.timeout), {out}, {in},
-                 [in, out, parts](comm::OpContext& context) {
-                   comm::allgather(context, const_span_of(in), split_evenly(out, parts));
-                 });
+  BucketMembers bucket;
+  bucket.allgather.push_back({const_span_of(input), split_evenly(output, size_)});
+  return enqueue_bucket(l, c10d::OpType::_ALLGATHER_BASE, "fsdp_ext:all_gather_into_tensor",
+                        resolve_timeout(opts.timeout), {output}, {input}, std::move(bucket));
 }
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allgather_into_tensor_coalesced(
@@ -354,17 +486,12 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allgather_into_tensor_coalesced(
   for (size_t i = 0; i < inputs.size(); ++i) {
     check_gather_into_tensor(l, outputs[i], inputs[i], " " + std::to_string(i));
   }
-  std::vector<at::Tensor> ins = inputs;
-  std::vector<at::Tensor> outs = outputs;
-  const int parts = size_;
-  return enqueue(l, c10d::OpType::COALESCED, "fsdp_ext:all_gather_into_tensor_coalesced",
-                 true, resolve_timeout(opts.timeout), outs, ins,
-                 [ins, outs, parts](comm::OpContext& context) {
-                   for (size_t i = 0; i < ins.size(); ++i) {
-                     if (i > 0) context.begin_next_collective();
-                     comm::allgather(context, const_span_of(ins[i]), split_evenly(outs[i], parts));
-                   }
-                 });
+  BucketMembers bucket;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    bucket.allgather.push_back({const_span_of(inputs[i]), split_evenly(outputs[i], size_)});
+  }
+  return enqueue_bucket(l, c10d::OpType::COALESCED, "fsdp_ext:all_gather_into_tensor_coalesced",
+                        resolve_timeout(opts.timeout), outputs, inputs, std::move(bucket));
 }
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::gather(
@@ -422,13 +549,13 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::reduce_scatter(
   at::Tensor output = outputs[0];
   std::vector<at::Tensor> list = inputs[0];
   const comm::ReduceSpec spec = reduce_spec(l, opts.reduceOp, output.scalar_type(), size_);
-  return enqueue(l, c10d::OpType::REDUCE_SCATTER, "fsdp_ext:reduce_scatter", true,
-                 resolve_timeout(opts.timeout), {output}, list,
-                 [output, list, spec](comm::OpContext& context) {
-                   std::vector<comm::ConstSpan> spans;
-                   for (const at::Tensor& input : list) spans.push_back(const_span_of(input));
-                   comm::reduce_scatter(context, spans, span_of(output), spec);
-                 });
+  BucketMembers bucket;
+  bucket.reduce_scatter.push_back({{}, span_of(output), spec});
+  for (const at::Tensor& input : list) {
+    bucket.reduce_scatter[0].inputs.push_back(const_span_of(input));
+  }
+  return enqueue_bucket(l, c10d::OpType::REDUCE_SCATTER, "fsdp_ext:reduce_scatter",
+                        resolve_timeout(opts.timeout), {output}, list, std::move(bucket));
 }
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::_reduce_scatter_base(
@@ -436,15 +563,11 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::_reduce_scatter_base(
   const OpLabel l = label("reduce_scatter_tensor");
   check_scatter_from_tensor(l, output, input, "");
   const comm::ReduceSpec spec = reduce_spec(l, opts.reduceOp, output.scalar_type(), size_);
-  at::Tensor in = input;
-  at::Tensor out = output;
-  const int parts = size_;
-  return enqueue(l, c10d::OpType::_REDUCE_SCATTER_BASE, "fsdp_ext:reduce_scatter_tensor", true,
-                 resolve_timeout(opts.timeout), {out}, {in},
-                 [in, out, parts, spec](comm::OpContext& context) {
-                   comm::reduce_scatter(context, to_const_spans(split_evenly(in, parts)), span_of(out),
-                                        spec);
-                 });
+  BucketMembers bucket;
+  bucket.reduce_scatter.push_back(
+      {to_const_spans(split_evenly(input, size_)), span_of(output), spec});
+  return enqueue_bucket(l, c10d::OpType::_REDUCE_SCATTER_BASE, "fsdp_ext:reduce_scatter_tensor",
+                        resolve_timeout(opts.timeout), {output}, {input}, std::move(bucket));
 }
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::reduce_scatter_tensor_coalesced(
@@ -452,23 +575,15 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::reduce_scatter_tensor_coalesced(
     const c10d::ReduceScatterOptions& opts) {
   const OpLabel l = label("reduce_scatter_tensor_coalesced");
   check_count(l, outputs.size(), inputs.size(), "output tensors (one per input)");
-  std::vector<comm::ReduceSpec> specs;
+  BucketMembers bucket;
   for (size_t i = 0; i < inputs.size(); ++i) {
     check_scatter_from_tensor(l, outputs[i], inputs[i], " " + std::to_string(i));
-    specs.push_back(reduce_spec(l, opts.reduceOp, outputs[i].scalar_type(), size_));
+    bucket.reduce_scatter.push_back({to_const_spans(split_evenly(inputs[i], size_)),
+                                     span_of(outputs[i]),
+                                     reduce_spec(l, opts.reduceOp, outputs[i].scalar_type(), size_)});
   }
-  std::vector<at::Tensor> ins = inputs;
-  std::vector<at::Tensor> outs = outputs;
-  const int parts = size_;
-  return enqueue(l, c10d::OpType::COALESCED, "fsdp_ext:reduce_scatter_tensor_coalesced", true,
-                 resolve_timeout(opts.timeout), outs, ins,
-                 [ins, outs, parts, specs](comm::OpContext& context) {
-                   for (size_t i = 0; i < ins.size(); ++i) {
-                     if (i > 0) context.begin_next_collective();
-                     comm::reduce_scatter(context, to_const_spans(split_evenly(ins[i], parts)),
-                                          span_of(outs[i]), specs[i]);
-                   }
-                 });
+  return enqueue_bucket(l, c10d::OpType::COALESCED, "fsdp_ext:reduce_scatter_tensor_coalesced",
+                        resolve_timeout(opts.timeout), outputs, inputs, std::move(bucket));
 }
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::alltoall_base(

@@ -19,7 +19,10 @@
 
 #include "backend/fsdp_ext_work.hpp"
 #include "backend/op_label.hpp"
+#include "comm/algorithms/algorithms.h"
 #include "comm/progress_engine.h"
+#include "comm/shared_buffer_pool.h"
+#include "comm/shared_memory_domain.h"
 
 namespace fsdp_ext::backend {
 
@@ -31,6 +34,18 @@ class FsdpExtBackend : public c10d::Backend {
 
   const std::string getBackendName() const override { return "fsdp_ext"; }
   bool supportsCoalescing() const override { return true; }
+
+  // Allocation from the group (FSDP2's set_allocate_memory_from_process_group
+  // _for_comm): CPU tensors in shared memory that peers read in place. Only
+  // offered where that is real: every rank on one host and able to map the
+  // others' memory (decided at init; FSDP_EXT_SHARED_MEMORY=0 turns it off).
+  bool supportsTensorAlloc(c10::DeviceIndex device_index) override;
+  at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
+  bool shared_memory_enabled() const { return shared_memory_ && shared_memory_->enabled(); }
+  comm::SharedPoolStats pool_stats() const { return pool_->stats(); }
+  size_t mapped_peer_segments() const;
+  const comm::ProgressEngine& engine() const { return *engine_; }
+  const comm::SharedMemoryDomain& shared_memory_domain() const { return *shared_memory_; }
   void setTimeout(std::chrono::milliseconds timeout) override;
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -91,6 +106,18 @@ class FsdpExtBackend : public c10d::Backend {
  private:
   using Body = std::function<void(comm::OpContext&)>;
 
+  // The members an op contributes to a bucket, so that same-kind ops issued
+  // between startCoalescing and endCoalescing run as one fused bucket.
+  struct BucketMembers {
+    std::vector<comm::AllgatherMember> allgather;
+    std::vector<comm::ReduceScatterMember> reduce_scatter;
+    std::vector<comm::AllreduceMember> allreduce;
+    bool empty() const {
+      return allgather.empty() && reduce_scatter.empty() && allreduce.empty();
+    }
+  };
+  static Body bucket_body(std::shared_ptr<const BucketMembers> members);
+
   OpLabel label(const char* op) const;
   std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds requested) const;
   // Queues one op (or adds it to the open coalescing batch) and returns its Work.
@@ -98,10 +125,20 @@ class FsdpExtBackend : public c10d::Backend {
                                          const char* profiling_title, bool collective,
                                          std::chrono::milliseconds timeout,
                                          std::vector<at::Tensor> outputs,
-                                         std::vector<at::Tensor> keep_alive, Body body);
+                                         std::vector<at::Tensor> keep_alive, Body body,
+                                         std::shared_ptr<const BucketMembers> bucket = nullptr);
+  // enqueue() for ops that are buckets (all-gather, reduce-scatter, all-reduce).
+  c10::intrusive_ptr<c10d::Work> enqueue_bucket(const OpLabel& label, c10d::OpType type,
+                                                const char* profiling_title,
+                                                std::chrono::milliseconds timeout,
+                                                std::vector<at::Tensor> outputs,
+                                                std::vector<at::Tensor> keep_alive,
+                                                BucketMembers bucket);
 
   std::chrono::milliseconds default_timeout_;
   std::string group_name_;
+  std::shared_ptr<comm::SharedBufferPool> pool_;
+  std::shared_ptr<comm::SharedMemoryDomain> shared_memory_;
   std::unique_ptr<comm::ProgressEngine> engine_;
 
   // Coalescing: ops issued between startCoalescing and endCoalescing on the
@@ -110,7 +147,9 @@ class FsdpExtBackend : public c10d::Backend {
     bool collective;
     Body body;
     c10::intrusive_ptr<FsdpExtWork> work;
+    std::shared_ptr<const BucketMembers> bucket;  // null: not fusible
   };
+  static Body coalesced_body(std::shared_ptr<std::vector<CoalescedOp>> members);
   std::mutex coalescing_mutex_;
   bool coalescing_ = false;
   std::thread::id coalescing_thread_;

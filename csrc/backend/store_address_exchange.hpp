@@ -1,4 +1,4 @@
-// Exchanges UCX worker addresses through the c10d Store the group was given
+// Exchanges each rank's identity record (peer_identity.hpp) through the c10d Store the group was given
 // (already namespaced per group by torch). A generation counter keeps a
 // re-created group on a reused store (file://) from reading stale addresses.
 #pragma once

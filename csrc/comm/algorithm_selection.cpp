@@ -10,54 +10,83 @@ constexpr size_t kRingThresholdBytes = 1 << 20;
 constexpr int kRingMinRanks = 4;
 constexpr size_t kAllreduceDirectMaxBytes = 64 << 10;
 constexpr int kBroadcastFlatMaxRanks = 8;
+// Below this, one round of eager UCX messages beats the shared-memory
+// protocol's two rounds; above it the copies dominate and reading peers'
+// memory in place wins (measured with benchmarks/collectives.py).
+constexpr size_t kSharedMemoryMinBytes = 32 << 10;
 
-bool forced(const char* variable, Algorithm* out) {
+enum class Forced { kAuto, kDirect, kRing, kSharedMemory };
+
+Forced forced(const char* variable) {
   const char* value = std::getenv(variable);
-  if (value == nullptr || std::strcmp(value, "auto") == 0 || value[0] == '\0') {
-    return false;
-  }
-  *out = std::strcmp(value, "ring") == 0 ? Algorithm::kRing : Algorithm::kDirect;
-  return true;
+  if (value == nullptr) return Forced::kAuto;
+  if (std::strcmp(value, "direct") == 0) return Forced::kDirect;
+  if (std::strcmp(value, "ring") == 0) return Forced::kRing;
+  if (std::strcmp(value, "shm") == 0) return Forced::kSharedMemory;
+  return Forced::kAuto;
 }
 
-// All-gather and reduce-scatter move the same bytes the same way.
-Algorithm select_ring_for_large(const char* variable, size_t total_bytes, int group_size) {
-  Algorithm choice;
-  if (forced(variable, &choice)) return choice;
-  return total_bytes >= kRingThresholdBytes && group_size >= kRingMinRanks
-             ? Algorithm::kRing
-             : Algorithm::kDirect;
+// The common shape: shared memory above a threshold when the group has it;
+// otherwise `message_choice` (what UCX messages would use).
+Algorithm choose(const char* variable, size_t bytes, bool shared_memory,
+                 Algorithm message_choice) {
+  switch (forced(variable)) {
+    case Forced::kDirect:
+      return Algorithm::kDirect;
+    case Forced::kRing:
+      return Algorithm::kRing;
+    case Forced::kSharedMemory:
+      return shared_memory ? Algorithm::kSharedMemory : message_choice;
+    case Forced::kAuto:
+      break;
+  }
+  if (shared_memory && bytes >= kSharedMemoryMinBytes) return Algorithm::kSharedMemory;
+  return message_choice;
+}
+
+Algorithm ring_for_large(size_t bytes, int group_size) {
+  return bytes >= kRingThresholdBytes && group_size >= kRingMinRanks ? Algorithm::kRing
+                                                                      : Algorithm::kDirect;
 }
 
 }  // namespace
 
 const char* algorithm_name(Algorithm algorithm) {
-  return algorithm == Algorithm::kRing ? "ring" : "direct";
+  switch (algorithm) {
+    case Algorithm::kRing:
+      return "ring";
+    case Algorithm::kSharedMemory:
+      return "shm";
+    default:
+      return "direct";
+  }
 }
 
-Algorithm select_allgather(size_t total_bytes, int group_size) {
-  return select_ring_for_large("FSDP_EXT_ALLGATHER_ALGO", total_bytes, group_size);
+Algorithm select_allgather(size_t bytes, int group_size, bool shared_memory) {
+  return choose("FSDP_EXT_ALLGATHER_ALGO", bytes, shared_memory,
+                ring_for_large(bytes, group_size));
 }
 
-Algorithm select_reduce_scatter(size_t total_bytes, int group_size) {
-  return select_ring_for_large("FSDP_EXT_REDUCE_SCATTER_ALGO", total_bytes, group_size);
+Algorithm select_reduce_scatter(size_t bytes, int group_size, bool shared_memory) {
+  return choose("FSDP_EXT_REDUCE_SCATTER_ALGO", bytes, shared_memory,
+                ring_for_large(bytes, group_size));
 }
 
-Algorithm select_allreduce(size_t bytes, int group_size) {
-  Algorithm choice;
-  if (forced("FSDP_EXT_ALLREDUCE_ALGO", &choice)) return choice;
+Algorithm select_allreduce(size_t bytes, int group_size, bool shared_memory) {
   // "direct": exchange whole buffers, reduce locally. "ring": reduce-scatter
   // then all-gather (each of which picks its own algorithm).
-  return bytes <= kAllreduceDirectMaxBytes || group_size <= 1 ? Algorithm::kDirect
-                                                              : Algorithm::kRing;
+  const Algorithm messages = bytes <= kAllreduceDirectMaxBytes || group_size <= 1
+                                 ? Algorithm::kDirect
+                                 : Algorithm::kRing;
+  return choose("FSDP_EXT_ALLREDUCE_ALGO", bytes, shared_memory, messages);
 }
 
-Algorithm select_broadcast(size_t /*bytes*/, int group_size) {
-  Algorithm choice;
-  if (forced("FSDP_EXT_BROADCAST_ALGO", &choice)) return choice;
-  // On one host the receivers' CMA reads copy in parallel, so a flat fan-out
-  // wins until the root's per-message overhead dominates.
-  return group_size <= kBroadcastFlatMaxRanks ? Algorithm::kDirect : Algorithm::kRing;
+Algorithm select_broadcast(size_t bytes, int group_size, bool shared_memory) {
+  // Over messages, on one host the receivers' CMA reads copy in parallel, so
+  // a flat fan-out wins until the root's per-message overhead dominates.
+  const Algorithm messages =
+      group_size <= kBroadcastFlatMaxRanks ? Algorithm::kDirect : Algorithm::kRing;
+  return choose("FSDP_EXT_BROADCAST_ALGO", bytes, shared_memory, messages);
 }
 
 }  // namespace fsdp_ext::comm

@@ -1,27 +1,36 @@
-// Which algorithm each collective uses. Small messages are latency bound: the
-// "direct" algorithms exchange everything in one round. Large messages with
-// many ranks are bandwidth bound: the ring moves each byte once per hop with
-// bounded scratch. FSDP_EXT_ALLGATHER_ALGO, FSDP_EXT_REDUCE_SCATTER_ALGO,
-// FSDP_EXT_ALLREDUCE_ALGO and FSDP_EXT_BROADCAST_ALGO ("direct", "ring" or
-// "auto") force one, so tests can
-// exercise each and benchmarks can compare them. This file is the one place
-// the choice is made; the benchmark asks it through torch_fsdp_ext._C.
+// Which algorithm each collective uses. This file is the one place the choice
+// is made; the benchmark asks it through torch_fsdp_ext._C.
+//
+//   direct       : one round of UCX messages (all pairs at once; broadcast:
+//                  root sends to everyone). Small messages are latency bound.
+//   ring         : UCX ring (all-reduce: reduce-scatter then all-gather;
+//                  broadcast: binomial tree), for many ranks and large
+//                  messages when memory cannot be shared.
+//   shared_memory: ranks on one host read each other's memory directly (see
+//                  shared_source_exchange.h); UCX carries only tiny headers.
+//                  Chosen above a size threshold whenever the group enabled
+//                  shared memory at init.
+//
+// FSDP_EXT_ALLGATHER_ALGO, FSDP_EXT_REDUCE_SCATTER_ALGO,
+// FSDP_EXT_ALLREDUCE_ALGO and FSDP_EXT_BROADCAST_ALGO ("direct", "ring",
+// "shm" or "auto") force one, so tests can exercise each and benchmarks can
+// compare them; "shm" falls back to the automatic choice where the group has
+// no shared memory. Every rank must see the same setting.
 #pragma once
 
 #include <cstddef>
 
 namespace fsdp_ext::comm {
 
-// kDirect: one round (all pairs at once; broadcast: root sends to everyone).
-// kRing: ring (all-reduce: reduce-scatter then all-gather; broadcast:
-// binomial tree).
-enum class Algorithm { kDirect, kRing };
+enum class Algorithm { kDirect, kRing, kSharedMemory };
 
 const char* algorithm_name(Algorithm algorithm);
 
-Algorithm select_allgather(size_t total_bytes, int group_size);
-Algorithm select_reduce_scatter(size_t total_bytes, int group_size);
-Algorithm select_allreduce(size_t bytes, int group_size);
-Algorithm select_broadcast(size_t bytes, int group_size);
+// `bytes`: the whole bucket (all-gather outputs / reduce-scatter inputs /
+// all-reduce buffers). `shared_memory`: the group has it enabled.
+Algorithm select_allgather(size_t bytes, int group_size, bool shared_memory);
+Algorithm select_reduce_scatter(size_t bytes, int group_size, bool shared_memory);
+Algorithm select_allreduce(size_t bytes, int group_size, bool shared_memory);
+Algorithm select_broadcast(size_t bytes, int group_size, bool shared_memory);
 
 }  // namespace fsdp_ext::comm

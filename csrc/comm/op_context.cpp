@@ -3,6 +3,7 @@
 #include "comm/error.h"
 #include "comm/progress_engine.h"
 #include "comm/scratch_arena.h"
+#include "comm/shared_memory_domain.h"
 #include "comm/tag_scheme.h"
 
 namespace fsdp_ext::comm {
@@ -66,6 +67,11 @@ void OpContext::wait_one(std::vector<Request>& requests, size_t index) {
 }
 
 void* OpContext::scratch(size_t bytes) { return scratch_.allocate(bytes); }
+
+SharedMemoryDomain* OpContext::shared_memory() const {
+  SharedMemoryDomain* domain = engine_.config().shared_memory.get();
+  return domain && domain->enabled() ? domain : nullptr;
+}
 
 void OpContext::begin_next_collective() { seq_ = engine_.allocate_seq(); }
 

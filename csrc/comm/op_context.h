@@ -14,6 +14,7 @@ namespace fsdp_ext::comm {
 
 class ProgressEngine;
 class ScratchArena;
+class SharedMemoryDomain;
 
 using Clock = std::chrono::steady_clock;
 
@@ -52,6 +53,10 @@ class OpContext {
   std::vector<Request>& detached() { return detached_; }
 
   void* scratch(size_t bytes);
+
+  // The group's shared memory when every rank is on one host and it was
+  // enabled at init; null otherwise (then only UCX messages are used).
+  SharedMemoryDomain* shared_memory() const;
 
   // A batch of coalesced collectives runs in one op; each collective after
   // the first takes a fresh sequence number so their tags stay apart.

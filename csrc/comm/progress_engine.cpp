@@ -154,6 +154,10 @@ std::string ProgressEngine::describe(const EngineOp& op, uint64_t seq) const {
 }
 
 void ProgressEngine::finish(EngineOp& op, const OpOutcome& outcome) {
+  // Drop the op's hold on its buffers before completing it, so that when
+  // wait() returns, buffers the caller already freed are back in their pool.
+  // (Requests still in flight after a failure keep their own reference.)
+  op.keepalive.reset();
   if (op.on_done) op.on_done(outcome);
   op.on_done = nullptr;
 }
@@ -202,6 +206,7 @@ void ProgressEngine::thread_main() {
 }
 
 void ProgressEngine::run_op(EngineOp& op) {
+  ops_run_.fetch_add(1, std::memory_order_relaxed);
   const uint64_t seq = op.collective ? next_seq_++ : 0;
   const std::string description = describe(op, seq);
   OpOutcome failure;

@@ -24,6 +24,8 @@
 
 namespace fsdp_ext::comm {
 
+class SharedMemoryDomain;
+
 constexpr size_t kAllRequests = ~size_t{0};
 
 struct OpOutcome {
@@ -52,6 +54,8 @@ struct EngineConfig {
   // on the wakeup fd. Short spins keep latency low; sleeping keeps 4 ranks
   // on 2 cores from starving each other.
   std::chrono::microseconds spin{100};
+  // Set for groups whose ranks may share memory (see shared_memory_domain.h).
+  std::shared_ptr<SharedMemoryDomain> shared_memory;
 };
 
 class ProgressEngine {
@@ -72,9 +76,14 @@ class ProgressEngine {
   // Non-empty once a failure desynchronised the group.
   std::string broken_reason() const;
 
-  // Called by OpContext::wait_all on the progress thread.
   // Progress thread only: the next collective sequence number.
   uint64_t allocate_seq() { return next_seq_++; }
+  // Ops run and collective sequence numbers used so far (any thread): tests
+  // use them to check that a coalesced bucket runs as one op and one pass.
+  uint64_t ops_run() const { return ops_run_.load(std::memory_order_relaxed); }
+  uint64_t sequences_used() const { return next_seq_.load(std::memory_order_relaxed) - 1; }
+
+  // Called by OpContext::wait_all on the progress thread.
 
   // `only`: index of the one request to wait for, or kAllRequests.
   void wait_for(OpContext& context, std::vector<Request>& requests, size_t only);
@@ -116,7 +125,8 @@ class ProgressEngine {
   bool shut_down_ = false;
 
   // Only touched on the progress thread.
-  uint64_t next_seq_ = 1;
+  std::atomic<uint64_t> next_seq_{1};
+  std::atomic<uint64_t> ops_run_{0};
   std::vector<InFlight> in_flight_;
   std::vector<Orphan> orphans_;
   EngineOp* running_ = nullptr;

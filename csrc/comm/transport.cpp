@@ -13,7 +13,7 @@ void noop_recv_callback(void*, ucs_status_t, const ucp_tag_recv_info_t*, void*) 
 Transport::Transport(int rank, int size)
     : rank_(rank),
       size_(size),
-      context_(std::make_unique<UcxContext>(static_cast<size_t>(size))),
+      context_(std::make_shared<UcxContext>(static_cast<size_t>(size))),
       worker_(std::make_unique<UcxWorker>(context_->get())) {}
 
 Transport::~Transport() {

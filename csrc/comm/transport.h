@@ -38,6 +38,8 @@ class Transport {
   int rank() const { return rank_; }
   int size() const { return size_; }
   std::vector<uint8_t> worker_address() const { return worker_->address(); }
+  // Shared so that memory registrations can outlive the transport.
+  const std::shared_ptr<UcxContext>& context() const { return context_; }
 
   // Creates one endpoint per rank from the exchanged worker addresses.
   void connect(const std::vector<std::vector<uint8_t>>& addresses);
@@ -65,7 +67,7 @@ class Transport {
  private:
   int rank_;
   int size_;
-  std::unique_ptr<UcxContext> context_;
+  std::shared_ptr<UcxContext> context_;
   std::unique_ptr<UcxWorker> worker_;
   std::vector<ucp_ep_h> endpoints_;
 };

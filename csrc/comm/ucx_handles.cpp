@@ -38,6 +38,19 @@ UcxContext::~UcxContext() {
   if (handle_) ucp_cleanup(handle_);
 }
 
+UcxRegistration::UcxRegistration(std::shared_ptr<UcxContext> context, void* data, size_t bytes)
+    : context_(std::move(context)) {
+  ucp_mem_map_params_t params{};
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  params.address = data;
+  params.length = bytes;
+  check_ucs(ucp_mem_map(context_->get(), &params, &handle_), "ucp_mem_map");
+}
+
+UcxRegistration::~UcxRegistration() {
+  if (handle_) ucp_mem_unmap(context_->get(), handle_);
+}
+
 UcxWorker::UcxWorker(ucp_context_h context) {
   ucp_worker_params_t params{};
   params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;

@@ -6,6 +6,7 @@
 #include <ucp/api/ucp.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,21 @@ class UcxContext {
 
  private:
   ucp_context_h handle_ = nullptr;
+};
+
+// A memory range registered with UCX (ucp_mem_map of existing memory), so
+// transfers from or into it skip per-message registration (which matters for
+// RDMA transports). Holds the context it was registered with.
+class UcxRegistration {
+ public:
+  UcxRegistration(std::shared_ptr<UcxContext> context, void* data, size_t bytes);
+  ~UcxRegistration();
+  UcxRegistration(const UcxRegistration&) = delete;
+  UcxRegistration& operator=(const UcxRegistration&) = delete;
+
+ private:
+  std::shared_ptr<UcxContext> context_;
+  ucp_mem_h handle_ = nullptr;
 };
 
 class UcxWorker {

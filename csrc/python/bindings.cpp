@@ -24,21 +24,57 @@ PYBIND11_MODULE(_C, m) {
              return c10::make_intrusive<FsdpExtBackend>(store, rank, size, timeout, group_name);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("group_name"), py::call_guard<py::gil_scoped_release>());
+           py::arg("group_name"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("shared_memory_enabled", &FsdpExtBackend::shared_memory_enabled,
+                             "Whether this group's ranks share memory (one host; decided at init).")
+      .def(
+          "_pool_stats",
+          [](const FsdpExtBackend& backend) {
+            const fsdp_ext::comm::SharedPoolStats stats = backend.pool_stats();
+            py::dict out;
+            out["segments"] = stats.segments;
+            out["in_use"] = stats.in_use;
+            out["reserved_bytes"] = stats.reserved_bytes;
+            out["registrations"] = stats.registrations;
+            out["allocations"] = stats.allocations;
+            out["reuses"] = stats.reuses;
+            out["mapped_peer_segments"] = backend.mapped_peer_segments();
+            out["pieces_in_place"] = backend.shared_memory_domain().pieces_offered_in_place();
+            out["pieces_staged"] = backend.shared_memory_domain().pieces_staged();
+            return out;
+          },
+          "Counters of the group's buffer pool and of peers' segments mapped here\n"
+          "(for leak checks), and how many shared-memory pieces were offered to\n"
+          "peers in place versus after a staging copy.")
+      .def(
+          "_op_counters",
+          [](const FsdpExtBackend& backend) {
+            py::dict out;
+            out["ops"] = backend.engine().ops_run();
+            out["collective_sequences"] = backend.engine().sequences_used();
+            return out;
+          },
+          "Ops run by the progress engine and collective sequence numbers used\n"
+          "(a fused bucket uses one op and one sequence number).");
 
   m.def(
       "_selected_algorithm",
-      [](const std::string& op, size_t bytes, int group_size) {
+      [](const std::string& op, size_t bytes, int group_size, bool shared_memory) {
         using namespace fsdp_ext::comm;
-        if (op == "all_gather_into_tensor") return algorithm_name(select_allgather(bytes, group_size));
-        if (op == "reduce_scatter_tensor") return algorithm_name(select_reduce_scatter(bytes, group_size));
-        if (op == "all_reduce") return algorithm_name(select_allreduce(bytes, group_size));
-        if (op == "broadcast") return algorithm_name(select_broadcast(bytes, group_size));
+        if (op == "all_gather_into_tensor") {
+          return algorithm_name(select_allgather(bytes, group_size, shared_memory));
+        }
+        if (op == "reduce_scatter_tensor") {
+          return algorithm_name(select_reduce_scatter(bytes, group_size, shared_memory));
+        }
+        if (op == "all_reduce") return algorithm_name(select_allreduce(bytes, group_size, shared_memory));
+        if (op == "broadcast") return algorithm_name(select_broadcast(bytes, group_size, shared_memory));
         throw py::value_error("unknown op '" + op + "'");
       },
-      py::arg("op"), py::arg("bytes"), py::arg("group_size"),
+      py::arg("op"), py::arg("bytes"), py::arg("group_size"), py::arg("shared_memory") = true,
       "The algorithm fsdp_ext picks for `op` on a message of `bytes` (the\n"
-      "all-gather output / reduce-scatter input / buffer) in a group of `group_size`.");
+      "all-gather output / reduce-scatter input / buffer) in a group of `group_size`\n"
+      "whose ranks do (or do not) share memory.");
 
   m.def("_shutdown_all", &FsdpExtBackend::shutdown_all,
         py::call_guard<py::gil_scoped_release>(),

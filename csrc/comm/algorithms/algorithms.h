@@ -33,17 +33,38 @@ struct ReduceSpec {
   double post_scale = 1.0;  // AVG: the result times 1 / group size
 };
 
+// A bucket is several collectives of one kind run as one operation: one
+// algorithm pass, with every member's messages in flight together (UCX), or
+// one header and one done message per peer pair for the whole bucket
+// (shared memory). Members may differ in size and dtype.
+
 // outputs[r] receives rank r's input. outputs[rank()] may alias `input`.
 // Per-rank sizes may differ (uneven all_gather).
-void allgather(OpContext& context, ConstSpan input,
-               const std::vector<MutableSpan>& outputs);
+struct AllgatherMember {
+  ConstSpan input;
+  std::vector<MutableSpan> outputs;
+};
+void allgather(OpContext& context, const std::vector<AllgatherMember>& bucket);
+void allgather(OpContext& context, ConstSpan input, const std::vector<MutableSpan>& outputs);
 
 // inputs[r] is this rank's contribution to rank r's output; output receives
 // the reduction of every rank's inputs[rank()]. Sizes may differ per r.
+// output may alias inputs[rank()].
+struct ReduceScatterMember {
+  std::vector<ConstSpan> inputs;
+  MutableSpan output;
+  ReduceSpec spec;
+};
+void reduce_scatter(OpContext& context, const std::vector<ReduceScatterMember>& bucket);
 void reduce_scatter(OpContext& context, const std::vector<ConstSpan>& inputs,
                     MutableSpan output, const ReduceSpec& spec);
 
 // In place: every rank ends with the same reduction of all ranks' data.
+struct AllreduceMember {
+  MutableSpan data;
+  ReduceSpec spec;
+};
+void allreduce(OpContext& context, const std::vector<AllreduceMember>& bucket);
 void allreduce(OpContext& context, MutableSpan data, const ReduceSpec& spec);
 
 void broadcast(OpContext& context, MutableSpan data, int root);

@@ -1,80 +1,184 @@
-// All-reduce, in place.
-//   direct: every rank sends its whole buffer to every other rank and reduces
-//           all n contributions locally in rank order: one round, for small
-//           messages; the same order everywhere gives identical results.
-//   ring  : reduce-scatter into this rank's block, then all-gather the blocks
-//           (bandwidth optimal; each block reduced once by its owner).
+// All-reduce over a bucket, in place.
+//   direct: every rank sends its whole buffers to every other rank and
+//           reduces all n contributions locally in rank order: one round, for
+//           small messages; the same order everywhere gives identical results.
+//   ring  : reduce-scatter into this rank's blocks, then all-gather the
+//           blocks (each picks its own algorithm); each block is reduced once,
+//           by its owner.
+//   shm   : the same two phases through shared memory: each rank reduces its
+//           block of every member straight out of the peers' buffers into its
+//           staging slot, then copies the peers' reduced blocks back out.
 #include "comm/algorithm_selection.h"
 #include "comm/algorithms/algorithms.h"
+#include "comm/algorithms/shared_source_exchange.h"
 #include "comm/algorithms/span_helpers.h"
 
 namespace fsdp_ext::comm {
 namespace {
 
-void allreduce_direct(OpContext& context, MutableSpan data, const ReduceSpec& spec) {
+void allreduce_direct(OpContext& context, const std::vector<AllreduceMember>& bucket) {
   const int n = context.size();
   const int r = context.rank();
-  const size_t count = data.bytes / element_size(spec.type);
-  if (spec.pre_scale != 1.0) {
-    scale_in_place(data.data, count, spec.type, spec.pre_scale);
+  for (const AllreduceMember& member : bucket) {
+    if (member.spec.pre_scale != 1.0) {
+      scale_in_place(member.data.data, member.data.bytes / element_size(member.spec.type),
+                     member.spec.type, member.spec.pre_scale);
+    }
   }
-  std::vector<const void*> contributions(n, nullptr);
+  // contributions[m][p]: rank p's buffer for member m.
+  std::vector<std::vector<const void*>> contributions(bucket.size(),
+                                                      std::vector<const void*>(n, nullptr));
   std::vector<Request> requests;
-  requests.reserve(2 * static_cast<size_t>(n));
-  for (int k = 1; k < n; ++k) {
-    const int from = detail::wrap(r - k, n);
-    void* staging = context.scratch(data.bytes);
-    contributions[from] = staging;
-    requests.push_back(context.recv(from, 0, staging, data.bytes));
+  for (uint32_t m = 0; m < bucket.size(); ++m) {
+    for (int k = 1; k < n; ++k) {
+      const int from = detail::wrap(r - k, n);
+      void* staging = context.scratch(bucket[m].data.bytes);
+      contributions[m][from] = staging;
+      requests.push_back(context.recv(from, m, staging, bucket[m].data.bytes));
+    }
   }
-  for (int k = 1; k < n; ++k) {
-    requests.push_back(context.send(detail::wrap(r + k, n), 0,
-                                    data.data, data.bytes));
+  for (uint32_t m = 0; m < bucket.size(); ++m) {
+    for (int k = 1; k < n; ++k) {
+      requests.push_back(context.send(detail::wrap(r + k, n), m, bucket[m].data.data,
+                                      bucket[m].data.bytes));
+    }
   }
   context.wait_all(requests);
-  contributions[r] = data.data;
-  if (r == 0) {
+  for (size_t m = 0; m < bucket.size(); ++m) {
+    const AllreduceMember& member = bucket[m];
+    const size_t count = member.data.bytes / element_size(member.spec.type);
+    contributions[m][r] = member.data.data;
+    // Sum in rank order into a copy of rank 0's buffer (rank 0 can use its own).
+    void* accumulator = r == 0 ? member.data.data : context.scratch(member.data.bytes);
+    detail::copy_if_distinct(accumulator, contributions[m][0], member.data.bytes);
     for (int p = 1; p < n; ++p) {
-      reduce_into(data.data, contributions[p], count, spec.type, spec.kind);
+      reduce_into(accumulator, contributions[m][p], count, member.spec.type, member.spec.kind);
     }
-  } else {
-    void* accumulator = context.scratch(data.bytes);
-    detail::copy_if_distinct(accumulator, contributions[0], data.bytes);
-    for (int p = 1; p < n; ++p) {
-      reduce_into(accumulator, contributions[p], count, spec.type, spec.kind);
-    }
-    detail::copy_if_distinct(data.data, accumulator, data.bytes);
+    detail::copy_if_distinct(member.data.data, accumulator, member.data.bytes);
+    detail::post_scale(member.data.data, member.data.bytes, member.spec);
   }
-  detail::post_scale(data.data, data.bytes, spec);
 }
 
-void allreduce_ring(OpContext& context, MutableSpan data, const ReduceSpec& spec) {
+void allreduce_ring(OpContext& context, const std::vector<AllreduceMember>& bucket) {
   const int n = context.size();
-  const size_t element = element_size(spec.type);
-  const size_t count = data.bytes / element;
-  std::vector<ConstSpan> blocks(n);
-  std::vector<MutableSpan> outputs(n);
-  size_t offset = 0;
-  for (int p = 0; p < n; ++p) {
-    const size_t block_count = count / n + (static_cast<size_t>(p) < count % n ? 1 : 0);
-    char* start = static_cast<char*>(data.data) + offset * element;
-    blocks[p] = ConstSpan{start, block_count * element};
-    outputs[p] = MutableSpan{start, block_count * element};
-    offset += block_count;
-  }
   const int r = context.rank();
-  reduce_scatter(context, blocks, outputs[r], spec);
-  allgather(context, ConstSpan{outputs[r].data, outputs[r].bytes}, outputs);
+  std::vector<ReduceScatterMember> scatter;
+  std::vector<AllgatherMember> gather;
+  for (const AllreduceMember& member : bucket) {
+    const std::vector<MutableSpan> blocks =
+        detail::split_blocks(member.data, element_size(member.spec.type), n);
+    std::vector<ConstSpan> inputs;
+    for (const MutableSpan& block : blocks) inputs.push_back(ConstSpan{block.data, block.bytes});
+    scatter.push_back(ReduceScatterMember{inputs, blocks[r], member.spec});
+    gather.push_back(AllgatherMember{inputs[r], blocks});
+  }
+  reduce_scatter(context, scatter);
+  context.begin_next_collective();
+  allgather(context, gather);
+}
+
+void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
+                      const std::vector<AllreduceMember>& bucket) {
+  const int n = context.size();
+  const int r = context.rank();
+  std::vector<std::vector<MutableSpan>> blocks;
+  for (const AllreduceMember& member : bucket) {
+    blocks.push_back(detail::split_blocks(member.data, element_size(member.spec.type), n));
+  }
+  // Phase 1: reduce this rank's block of every member out of the peers' buffers.
+  SharedSourceExchange inputs(context, domain, 0, /*staging_slot=*/0);
+  for (int p = 0; p < n; ++p) {
+    if (p == r) continue;
+    std::vector<ConstSpan> pieces;
+    std::vector<size_t> sizes;
+    for (size_t m = 0; m < bucket.size(); ++m) {
+      pieces.push_back(ConstSpan{blocks[m][p].data, blocks[m][p].bytes});
+      sizes.push_back(blocks[m][r].bytes);
+    }
+    inputs.offer(p, std::move(pieces));
+    inputs.expect(p, std::move(sizes));
+  }
+  for (const AllreduceMember& member : bucket) {
+    if (member.spec.pre_scale != 1.0) {
+      scale_in_place(member.data.data, member.data.bytes / element_size(member.spec.type),
+                     member.spec.type, member.spec.pre_scale);
+    }
+  }
+  inputs.exchange();
+  size_t reduced_bytes = 0;
+  for (size_t m = 0; m < bucket.size(); ++m) reduced_bytes += (blocks[m][r].bytes + 63) / 64 * 64;
+  char* reduced = domain.staging(1, reduced_bytes);
+  std::vector<ConstSpan> reduced_blocks;
+  std::vector<const void*> others;
+  for (size_t m = 0; m < bucket.size(); ++m) {
+    const ReduceSpec& spec = bucket[m].spec;
+    const size_t bytes = blocks[m][r].bytes;
+    others.clear();
+    for (int p = 0; p < n; ++p) {
+      if (p != r) others.push_back(inputs.source(p, m));
+    }
+    // Rank order (own block first), as the reduce-scatter algorithms do.
+    std::memcpy(reduced, blocks[m][r].data, bytes);
+    const size_t count = bytes / element_size(spec.type);
+    for (const void* source : others) reduce_into(reduced, source, count, spec.type, spec.kind);
+    detail::post_scale(reduced, bytes, spec);
+    reduced_blocks.push_back(ConstSpan{reduced, bytes});
+    reduced += (bytes + 63) / 64 * 64;
+  }
+  // Phase 2: publish the reduced blocks and copy the peers' ones. A peer's
+  // phase-2 header also says it has finished reading this rank's buffers, so
+  // once every header is in, the buffers can be overwritten.
+  SharedSourceExchange results(context, domain, 2, /*staging_slot=*/1);
+  for (int p = 0; p < n; ++p) {
+    if (p == r) continue;
+    std::vector<size_t> sizes;
+    for (size_t m = 0; m < bucket.size(); ++m) sizes.push_back(blocks[m][p].bytes);
+    results.offer(p, reduced_blocks);
+    results.expect(p, std::move(sizes));
+  }
+  results.exchange();
+  for (size_t m = 0; m < bucket.size(); ++m) {
+    std::memcpy(blocks[m][r].data, reduced_blocks[m].data, reduced_blocks[m].bytes);
+    for (int p = 0; p < n; ++p) {
+      if (p != r && blocks[m][p].bytes != 0) {
+        std::memcpy(blocks[m][p].data, results.source(p, m), blocks[m][p].bytes);
+      }
+    }
+  }
+  results.finish();
 }
 
 }  // namespace
 
-void allreduce(OpContext& context, MutableSpan data, const ReduceSpec& spec) {
-  if (select_allreduce(data.bytes, context.size()) == Algorithm::kRing) {
-    allreduce_ring(context, data, spec);
-  } else {
-    allreduce_direct(context, data, spec);
+void allreduce(OpContext& context, const std::vector<AllreduceMember>& bucket) {
+  const int n = context.size();
+  if (n == 1) {
+    for (const AllreduceMember& member : bucket) {
+      // A group of one still applies PREMUL_SUM's factor and AVG's divide.
+      const size_t count = member.data.bytes / element_size(member.spec.type);
+      if (member.spec.pre_scale != 1.0) {
+        scale_in_place(member.data.data, count, member.spec.type, member.spec.pre_scale);
+      }
+      detail::post_scale(member.data.data, member.data.bytes, member.spec);
+    }
+    return;
   }
+  size_t total = 0;
+  for (const AllreduceMember& member : bucket) total += member.data.bytes;
+  SharedMemoryDomain* shared = context.shared_memory();
+  switch (select_allreduce(total, n, shared != nullptr)) {
+    case Algorithm::kSharedMemory:
+      return allreduce_shared(context, *shared, bucket);
+    case Algorithm::kRing:
+      return allreduce_ring(context, bucket);
+    case Algorithm::kDirect:
+      return detail::in_step_windows(context, bucket, 1,
+                                     [&](const auto& window) { allreduce_direct(context, window); });
+  }
+}
+
+void allreduce(OpContext& context, MutableSpan data, const ReduceSpec& spec) {
+  allreduce(context, std::vector<AllreduceMember>{AllreduceMember{data, spec}});
 }
 
 }  // namespace fsdp_ext::comm

@@ -2,8 +2,10 @@
 //   flat    : the root sends to every rank at once (one round); on one host the
 //             receivers' CMA reads do the copying in parallel.
 //   binomial: log2(n) rounds; each rank forwards to the ranks below it.
+//   shm     : every rank copies the root's buffer straight out of its memory.
 #include "comm/algorithm_selection.h"
 #include "comm/algorithms/algorithms.h"
+#include "comm/algorithms/shared_source_exchange.h"
 #include "comm/algorithms/span_helpers.h"
 
 namespace fsdp_ext::comm {
@@ -48,14 +50,35 @@ void broadcast_binomial(OpContext& context, MutableSpan data, int root) {
   context.wait_all(sends);
 }
 
+void broadcast_shared(OpContext& context, SharedMemoryDomain& domain, MutableSpan data,
+                      int root) {
+  SharedSourceExchange exchange(context, domain, 0);
+  if (context.rank() == root) {
+    for (int p = 0; p < context.size(); ++p) {
+      if (p != root) exchange.offer(p, {ConstSpan{data.data, data.bytes}});
+    }
+  } else {
+    exchange.expect(root, {data.bytes});
+  }
+  exchange.exchange();
+  if (context.rank() != root && data.bytes != 0) {
+    std::memcpy(data.data, exchange.source(root, 0), data.bytes);
+  }
+  exchange.finish();
+}
+
 }  // namespace
 
 void broadcast(OpContext& context, MutableSpan data, int root) {
   if (context.size() == 1) return;
-  if (select_broadcast(data.bytes, context.size()) == Algorithm::kDirect) {
-    broadcast_flat(context, data, root);
-  } else {
-    broadcast_binomial(context, data, root);
+  SharedMemoryDomain* shared = context.shared_memory();
+  switch (select_broadcast(data.bytes, context.size(), shared != nullptr)) {
+    case Algorithm::kSharedMemory:
+      return broadcast_shared(context, *shared, data, root);
+    case Algorithm::kDirect:
+      return broadcast_flat(context, data, root);
+    case Algorithm::kRing:
+      return broadcast_binomial(context, data, root);
   }
 }
 

@@ -1,111 +1,209 @@
-// Reduce-scatter with per-rank sizes.
-//   direct: every rank sends block p to rank p at once; the owner reduces the
-//           blocks as they arrive, in rank order (deterministic).
-//   ring  : n-1 steps passing a partial sum to the next rank, which adds its
-//           own contribution; two staging buffers, each byte moved once.
-// The owner of each block computes it exactly once, so an all-reduce built
-// from reduce-scatter + all-gather gives bitwise-identical results everywhere.
+// Reduce-scatter over a bucket, with per-rank sizes.
+//   direct: every rank sends block p of every member to rank p at once; the
+//           owner reduces the blocks as they arrive, in rank order.
+//   ring  : n-1 steps passing partial sums to the next rank, which adds its
+//           own contribution; two staging buffers per member.
+//   shm   : the owner of each block reads every peer's contribution straight
+//           out of the peer's memory and reduces it in one cache-blocked pass.
+// Each block is computed by its owner only, always in the same order, so an
+// all-reduce built from reduce-scatter + all-gather gives bitwise-identical
+// results everywhere.
 #include <algorithm>
+#include <array>
 
 #include "comm/algorithm_selection.h"
 #include "comm/algorithms/algorithms.h"
+#include "comm/algorithms/shared_source_exchange.h"
 #include "comm/algorithms/span_helpers.h"
 
 namespace fsdp_ext::comm {
 namespace {
 
-std::vector<ConstSpan> apply_pre_scale(OpContext& context,
-                                       const std::vector<ConstSpan>& inputs,
-                                       const ReduceSpec& spec) {
-  if (spec.pre_scale == 1.0) return inputs;
-  std::vector<ConstSpan> scaled(inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    scaled[i] = ConstSpan{detail::pre_scaled(context, inputs[i].data, inputs[i].bytes, spec),
-                          inputs[i].bytes};
+// PREMUL_SUM: contributions are scaled copies (the caller's input is left as is).
+std::vector<ReduceScatterMember> apply_pre_scale(OpContext& context,
+                                                 const std::vector<ReduceScatterMember>& bucket) {
+  std::vector<ReduceScatterMember> scaled = bucket;
+  for (ReduceScatterMember& member : scaled) {
+    if (member.spec.pre_scale == 1.0) continue;
+    for (ConstSpan& input : member.inputs) {
+      input.data = detail::pre_scaled(context, input.data, input.bytes, member.spec);
+    }
   }
   return scaled;
 }
 
-void reduce_scatter_direct(OpContext& context, const std::vector<ConstSpan>& inputs,
-                           MutableSpan output, const ReduceSpec& spec) {
+void copy_own_blocks(OpContext& context, const std::vector<ReduceScatterMember>& bucket) {
+  for (const ReduceScatterMember& member : bucket) {
+    detail::copy_if_distinct(member.output.data, member.inputs[context.rank()].data,
+                             member.output.bytes);
+  }
+}
+
+void reduce_scatter_direct(OpContext& context, const std::vector<ReduceScatterMember>& bucket) {
   const int n = context.size();
   const int r = context.rank();
-  const size_t count = output.bytes / element_size(spec.type);
-  std::vector<void*> staging(n, nullptr);
-  // Receives first, in rank order, so the reduction consumes them in order;
-  // then the sends.
   std::vector<Request> requests;
-  requests.reserve(2 * static_cast<size_t>(n));
-  for (int p = 0; p < n; ++p) {
-    if (p == r) continue;
-    staging[p] = context.scratch(output.bytes);
-    requests.push_back(context.recv(p, 0, staging[p], output.bytes));
+  std::vector<std::pair<size_t, void*>> arrivals;  // (member, staging), in request order
+  // Receives first (members, then peers in rank order) so the reduction can
+  // consume them in that order; then the sends.
+  for (uint32_t m = 0; m < bucket.size(); ++m) {
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      void* staging = context.scratch(bucket[m].output.bytes);
+      arrivals.emplace_back(m, staging);
+      requests.push_back(context.recv(p, m, staging, bucket[m].output.bytes));
+    }
   }
-  const size_t receive_count = requests.size();
-  for (int k = 1; k < n; ++k) {
-    const int to = detail::wrap(r + k, n);
-    requests.push_back(context.send(to, 0, inputs[to].data,
-                                    inputs[to].bytes));
+  for (uint32_t m = 0; m < bucket.size(); ++m) {
+    for (int k = 1; k < n; ++k) {
+      const int to = detail::wrap(r + k, n);
+      requests.push_back(
+          context.send(to, m, bucket[m].inputs[to].data, bucket[m].inputs[to].bytes));
+    }
   }
-  detail::copy_if_distinct(output.data, inputs[r].data, output.bytes);
+  copy_own_blocks(context, bucket);
   // Reduce each block as soon as it is in, overlapping the later arrivals.
-  for (size_t i = 0; i < receive_count; ++i) {
+  for (size_t i = 0; i < arrivals.size(); ++i) {
     context.wait_one(requests, i);
-    reduce_into(output.data, staging[requests[i].peer], count, spec.type, spec.kind);
+    const ReduceScatterMember& member = bucket[arrivals[i].first];
+    reduce_into(member.output.data, arrivals[i].second,
+                member.output.bytes / element_size(member.spec.type), member.spec.type,
+                member.spec.kind);
   }
   context.wait_all(requests);
 }
 
-void reduce_scatter_ring(OpContext& context, const std::vector<ConstSpan>& inputs,
-                         MutableSpan output, const ReduceSpec& spec) {
+void reduce_scatter_ring(OpContext& context, const std::vector<ReduceScatterMember>& bucket) {
   const int n = context.size();
   const int r = context.rank();
   const int next = detail::ring_next(r, n);
   const int prev = detail::ring_prev(r, n);
-  size_t largest = 0;
-  for (const ConstSpan& span : inputs) largest = std::max(largest, span.bytes);
-  void* buffers[2] = {context.scratch(largest), context.scratch(largest)};
-  std::vector<Request> requests(2);
+  const uint32_t members = static_cast<uint32_t>(bucket.size());
+  std::vector<std::array<void*, 2>> buffers(members);
+  for (uint32_t m = 0; m < members; ++m) {
+    size_t largest = 0;
+    for (const ConstSpan& span : bucket[m].inputs) largest = std::max(largest, span.bytes);
+    buffers[m] = {context.scratch(largest), context.scratch(largest)};
+  }
+  std::vector<Request> requests;
   for (int step = 0; step < n - 1; ++step) {
     const int send_block = detail::wrap(r - step - 1, n);
     const int recv_block = detail::wrap(r - step - 2, n);
-    void* incoming = buffers[step % 2];
-    const void* outgoing =
-        step == 0 ? inputs[send_block].data : buffers[(step + 1) % 2];
-    requests[0] = context.recv(prev, static_cast<uint32_t>(step), incoming,
-                               inputs[recv_block].bytes);
-    requests[1] = context.send(next, static_cast<uint32_t>(step),
-                               outgoing, inputs[send_block].bytes);
+    requests.clear();
+    for (uint32_t m = 0; m < members; ++m) {
+      const uint32_t tag_step = static_cast<uint32_t>(step) * members + m;
+      const ReduceScatterMember& member = bucket[m];
+      const void* outgoing =
+          step == 0 ? member.inputs[send_block].data : buffers[m][(step + 1) % 2];
+      requests.push_back(context.recv(prev, tag_step, buffers[m][step % 2],
+                                      member.inputs[recv_block].bytes));
+      requests.push_back(
+          context.send(next, tag_step, outgoing, member.inputs[send_block].bytes));
+    }
     context.wait_all(requests);
-    const size_t count = inputs[recv_block].bytes / element_size(spec.type);
-    if (step < n - 2) {
-      reduce_into(incoming, inputs[recv_block].data, count, spec.type, spec.kind);
-    } else if (output.data == inputs[r].data) {
-      reduce_into(output.data, incoming, count, spec.type, spec.kind);
-    } else {
-      detail::copy_if_distinct(output.data, incoming, output.bytes);
-      reduce_into(output.data, inputs[r].data, count, spec.type, spec.kind);
+    for (uint32_t m = 0; m < members; ++m) {
+      const ReduceScatterMember& member = bucket[m];
+      void* incoming = buffers[m][step % 2];
+      const size_t count = member.inputs[recv_block].bytes / element_size(member.spec.type);
+      if (step < n - 2) {
+        reduce_into(incoming, member.inputs[recv_block].data, count, member.spec.type,
+                    member.spec.kind);
+      } else if (member.output.data == member.inputs[r].data) {
+        reduce_into(member.output.data, incoming, count, member.spec.type, member.spec.kind);
+      } else {
+        detail::copy_if_distinct(member.output.data, incoming, member.output.bytes);
+        reduce_into(member.output.data, member.inputs[r].data, count, member.spec.type,
+                    member.spec.kind);
+      }
     }
   }
 }
 
+// output = own (op) every other source in rank order, a block at a time so
+// the accumulator stays in L1/L2 while the sources stream through: one pass
+// over memory instead of n.
+void reduce_sources(MutableSpan output, const void* own,
+                    const std::vector<const void*>& others, const ReduceSpec& spec) {
+  constexpr size_t kBlockBytes = 32 << 10;
+  const size_t element = element_size(spec.type);
+  const size_t block = kBlockBytes / element * element;
+  char* out = static_cast<char*>(output.data);
+  for (size_t offset = 0; offset < output.bytes; offset += block) {
+    const size_t bytes = std::min(block, output.bytes - offset);
+    detail::copy_if_distinct(out + offset, static_cast<const char*>(own) + offset, bytes);
+    for (const void* source : others) {
+      reduce_into(out + offset, static_cast<const char*>(source) + offset, bytes / element,
+                  spec.type, spec.kind);
+    }
+  }
+}
+
+void reduce_scatter_shared(OpContext& context, SharedMemoryDomain& domain,
+                           const std::vector<ReduceScatterMember>& bucket) {
+  const int n = context.size();
+  const int r = context.rank();
+  SharedSourceExchange exchange(context, domain, 0);
+  for (int p = 0; p < n; ++p) {
+    if (p == r) continue;
+    std::vector<ConstSpan> pieces;
+    std::vector<size_t> sizes;
+    for (const ReduceScatterMember& member : bucket) {
+      pieces.push_back(member.inputs[p]);
+      sizes.push_back(member.output.bytes);
+    }
+    exchange.offer(p, std::move(pieces));
+    exchange.expect(p, std::move(sizes));
+  }
+  exchange.exchange();
+  // Own contribution first (so an output that aliases it is read before it
+  // is written), then the peers' in rank order.
+  std::vector<const void*> others;
+  for (size_t m = 0; m < bucket.size(); ++m) {
+    others.clear();
+    for (int p = 0; p < n; ++p) {
+      if (p != r) others.push_back(exchange.source(p, m));
+    }
+    reduce_sources(bucket[m].output, bucket[m].inputs[r].data, others, bucket[m].spec);
+  }
+  exchange.finish();
+}
+
 }  // namespace
+
+void reduce_scatter(OpContext& context, const std::vector<ReduceScatterMember>& bucket) {
+  const std::vector<ReduceScatterMember> contributions = apply_pre_scale(context, bucket);
+  const int n = context.size();
+  if (n == 1) {
+    copy_own_blocks(context, contributions);
+  } else {
+    size_t total = 0;
+    for (const ReduceScatterMember& member : bucket) {
+      for (const ConstSpan& span : member.inputs) total += span.bytes;
+    }
+    SharedMemoryDomain* shared = context.shared_memory();
+    switch (select_reduce_scatter(total, n, shared != nullptr)) {
+      case Algorithm::kSharedMemory:
+        reduce_scatter_shared(context, *shared, contributions);
+        break;
+      case Algorithm::kRing:
+        detail::in_step_windows(context, contributions, static_cast<uint32_t>(n - 1),
+                                [&](const auto& window) { reduce_scatter_ring(context, window); });
+        break;
+      case Algorithm::kDirect:
+        detail::in_step_windows(context, contributions, 1, [&](const auto& window) {
+          reduce_scatter_direct(context, window);
+        });
+        break;
+    }
+  }
+  for (const ReduceScatterMember& member : bucket) {
+    detail::post_scale(member.output.data, member.output.bytes, member.spec);
+  }
+}
 
 void reduce_scatter(OpContext& context, const std::vector<ConstSpan>& inputs,
                     MutableSpan output, const ReduceSpec& spec) {
-  const std::vector<ConstSpan> contributions = apply_pre_scale(context, inputs, spec);
-  if (context.size() == 1) {
-    detail::copy_if_distinct(output.data, contributions[0].data, output.bytes);
-  } else {
-    size_t total = 0;
-    for (const ConstSpan& span : inputs) total += span.bytes;
-    if (select_reduce_scatter(total, context.size()) == Algorithm::kRing) {
-      reduce_scatter_ring(context, contributions, output, spec);
-    } else {
-      reduce_scatter_direct(context, contributions, output, spec);
-    }
-  }
-  detail::post_scale(output.data, output.bytes, spec);
+  reduce_scatter(context, std::vector<ReduceScatterMember>{ReduceScatterMember{inputs, output, spec}});
 }
 
 }  // namespace fsdp_ext::comm

@@ -1,0 +1,78 @@
+#include "backend/peer_identity.hpp"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <stdexcept>
+
+namespace fsdp_ext::backend {
+namespace {
+
+void put_bytes(std::vector<uint8_t>& out, const void* data, size_t bytes) {
+  const size_t at = out.size();
+  out.resize(at + bytes);
+  if (bytes != 0) std::memcpy(out.data() + at, data, bytes);
+}
+
+template <typename T>
+void put(std::vector<uint8_t>& out, const T& value) {
+  put_bytes(out, &value, sizeof(T));
+}
+
+class Reader {
+ public:
+  explicit Reader(const std::vector<uint8_t>& blob) : blob_(blob) {}
+  void get_bytes(void* data, size_t bytes) {
+    if (offset_ + bytes > blob_.size()) {
+      throw std::runtime_error("a peer published a truncated identity record");
+    }
+    std::memcpy(data, blob_.data() + offset_, bytes);
+    offset_ += bytes;
+  }
+  template <typename T>
+  T get() {
+    T value;
+    get_bytes(&value, sizeof(T));
+    return value;
+  }
+
+ private:
+  const std::vector<uint8_t>& blob_;
+  size_t offset_ = 0;
+};
+
+}  // namespace
+
+std::string this_host() {
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  std::string boot_id;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
+  return std::string(name) + "/" + boot_id;
+}
+
+std::vector<uint8_t> serialize(const PeerIdentity& identity) {
+  std::vector<uint8_t> out;
+  put<uint32_t>(out, static_cast<uint32_t>(identity.worker_address.size()));
+  put_bytes(out, identity.worker_address.data(), identity.worker_address.size());
+  put<uint32_t>(out, static_cast<uint32_t>(identity.host.size()));
+  put_bytes(out, identity.host.data(), identity.host.size());
+  put<int32_t>(out, identity.pid);
+  put(out, identity.probe);
+  return out;
+}
+
+PeerIdentity deserialize_peer_identity(const std::vector<uint8_t>& blob) {
+  Reader reader(blob);
+  PeerIdentity identity;
+  identity.worker_address.resize(reader.get<uint32_t>());
+  reader.get_bytes(identity.worker_address.data(), identity.worker_address.size());
+  identity.host.resize(reader.get<uint32_t>());
+  reader.get_bytes(identity.host.data(), identity.host.size());
+  identity.pid = reader.get<int32_t>();
+  identity.probe = reader.get<comm::SharedPiece>();
+  return identity;
+}
+
+}  // namespace fsdp_ext::backend

@@ -1,0 +1,28 @@
+// What each rank publishes through the store at init: its UCX worker
+// address, which host it runs on, its pid, and a shared-memory piece peers
+// map to test whether they can share memory with it.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "comm/shared_memory_domain.h"
+
+namespace fsdp_ext::backend {
+
+struct PeerIdentity {
+  std::vector<uint8_t> worker_address;
+  std::string host;  // hostname and kernel boot id: equal only on one machine
+  pid_t pid = 0;
+  comm::SharedPiece probe;
+};
+
+std::string this_host();
+std::vector<uint8_t> serialize(const PeerIdentity& identity);
+// Throws std::runtime_error on a malformed blob.
+PeerIdentity deserialize_peer_identity(const std::vector<uint8_t>& blob);
+
+}  // namespace fsdp_ext::backend

@@ -1,0 +1,123 @@
+#include "comm/algorithms/shared_source_exchange.h"
+
+#include <cstring>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "comm/error.h"
+
+namespace fsdp_ext::comm {
+namespace {
+constexpr size_t kStagingAlignment = 64;
+size_t aligned(size_t bytes) {
+  return (bytes + kStagingAlignment - 1) / kStagingAlignment * kStagingAlignment;
+}
+}  // namespace
+
+SharedSourceExchange::SharedSourceExchange(OpContext& context, SharedMemoryDomain& domain,
+                                           uint32_t first_step, int staging_slot)
+    : context_(context),
+      domain_(domain),
+      header_step_(first_step),
+      staging_slot_(staging_slot),
+      offers_(context.size()),
+      offered_(context.size(), false),
+      expected_(context.size()),
+      expecting_(context.size(), false),
+      headers_out_(context.size()),
+      headers_in_(context.size()),
+      sources_(context.size()) {}
+
+void SharedSourceExchange::offer(int peer, std::vector<ConstSpan> pieces) {
+  offers_[peer] = std::move(pieces);
+  offered_[peer] = true;
+}
+
+void SharedSourceExchange::expect(int peer, std::vector<size_t> piece_bytes) {
+  expected_[peer] = std::move(piece_bytes);
+  expecting_[peer] = true;
+}
+
+void SharedSourceExchange::exchange() {
+  const int n = context_.size();
+  // Locate every offered piece; stage those outside shared memory, each
+  // distinct range once (an all-gather offers the same input to every peer).
+  std::map<std::pair<const void*, size_t>, SharedPiece> located;
+  std::vector<std::pair<const void*, size_t>> to_stage;
+  size_t staging_bytes = 0;
+  for (int p = 0; p < n; ++p) {
+    for (const ConstSpan& piece : offers_[p]) {
+      const auto key = std::make_pair(piece.data, piece.bytes);
+      if (piece.bytes == 0 || located.count(key)) continue;
+      if (std::optional<SharedPiece> found = domain_.locate(piece.data, piece.bytes)) {
+        located[key] = *found;
+        domain_.count_offered(/*in_place=*/true);
+      } else {
+        domain_.count_offered(/*in_place=*/false);
+        located[key] = SharedPiece{};
+        to_stage.push_back(key);
+        staging_bytes += aligned(piece.bytes);
+      }
+    }
+  }
+  if (!to_stage.empty()) {
+    char* cursor = domain_.staging(staging_slot_, staging_bytes);
+    for (const auto& key : to_stage) {
+      std::memcpy(cursor, key.first, key.second);
+      located[key] = *domain_.locate(cursor, key.second);
+      cursor += aligned(key.second);
+    }
+  }
+
+  std::vector<Request> requests;
+  for (int p = 0; p < n; ++p) {
+    if (!expecting_[p]) continue;
+    headers_in_[p].resize(expected_[p].size());
+    requests.push_back(context_.recv(p, header_step_, headers_in_[p].data(),
+                                     headers_in_[p].size() * sizeof(SharedPiece)));
+  }
+  for (int p = 0; p < n; ++p) {
+    if (!offered_[p]) continue;
+    headers_out_[p].resize(offers_[p].size());
+    for (size_t i = 0; i < offers_[p].size(); ++i) {
+      const ConstSpan& piece = offers_[p][i];
+      if (piece.bytes != 0) headers_out_[p][i] = located[{piece.data, piece.bytes}];
+      headers_out_[p][i].bytes = piece.bytes;
+    }
+    requests.push_back(context_.send(p, header_step_, headers_out_[p].data(),
+                                     headers_out_[p].size() * sizeof(SharedPiece)));
+  }
+  context_.wait_all(requests);
+
+  for (int p = 0; p < n; ++p) {
+    if (!expecting_[p]) continue;
+    sources_[p].assign(expected_[p].size(), nullptr);
+    for (size_t i = 0; i < expected_[p].size(); ++i) {
+      const SharedPiece& piece = headers_in_[p][i];
+      if (piece.bytes != expected_[p][i]) {
+        throw CommError(ErrorKind::kMismatch,
+                        context_.description() + ": rank " + std::to_string(p) + " has " +
+                            std::to_string(piece.bytes) + " bytes for tensor " +
+                            std::to_string(i) + " but this rank expects " +
+                            std::to_string(expected_[p][i]) +
+                            " (tensor sizes differ between ranks)");
+      }
+      if (piece.bytes != 0) sources_[p][i] = domain_.map_peer(p, piece);
+    }
+  }
+}
+
+void SharedSourceExchange::finish() {
+  const int n = context_.size();
+  std::vector<Request> requests;
+  for (int p = 0; p < n; ++p) {
+    if (offered_[p]) requests.push_back(context_.recv(p, header_step_ + 1, nullptr, 0));
+  }
+  for (int p = 0; p < n; ++p) {
+    if (expecting_[p]) requests.push_back(context_.send(p, header_step_ + 1, nullptr, 0));
+  }
+  context_.wait_all(requests);
+}
+
+}  // namespace fsdp_ext::comm

@@ -1,0 +1,59 @@
+// The shared-memory protocol's one building block, used by the algorithms
+// for groups on one host. It replaces moving bytes through messages with
+// telling peers where to read them:
+//
+//   1. offer/expect: each rank lists, per peer, the pieces that peer must
+//      read from it, and the sizes it will read from each peer;
+//   2. exchange(): pieces not already in shared memory (ordinary tensors)
+//      are copied once into this rank's staging slot; one small header
+//      message per peer pair carries every piece's location (a whole bucket
+//      in one message); sizes are checked against what the reader expects;
+//   3. the algorithm copies or reduces straight out of peers' memory
+//      (source());
+//   4. finish(): every reader tells each owner it is done, and each owner
+//      waits for that before its op completes, so its buffers stay untouched
+//      while peers read them.
+//
+// Pieces in buffers from the group's pool are read in place: zero staging
+// copies. The messages are tiny, so the cost of a collective is the copy or
+// reduction itself plus two message rounds.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "comm/algorithms/algorithms.h"
+#include "comm/shared_memory_domain.h"
+
+namespace fsdp_ext::comm {
+
+class SharedSourceExchange {
+ public:
+  // Uses steps `first_step` (headers) and `first_step + 1` (done messages);
+  // `staging_slot` is the domain slot for pieces that need staging.
+  SharedSourceExchange(OpContext& context, SharedMemoryDomain& domain, uint32_t first_step,
+                       int staging_slot = 0);
+
+  void offer(int peer, std::vector<ConstSpan> pieces);
+  void expect(int peer, std::vector<size_t> piece_bytes);
+
+  void exchange();
+  // Start of `peer`'s piece `index` (valid until finish()); null if empty.
+  const char* source(int peer, size_t index) const { return sources_[peer][index]; }
+  void finish();
+
+ private:
+  OpContext& context_;
+  SharedMemoryDomain& domain_;
+  uint32_t header_step_;
+  int staging_slot_;
+  std::vector<std::vector<ConstSpan>> offers_;
+  std::vector<bool> offered_;
+  std::vector<std::vector<size_t>> expected_;
+  std::vector<bool> expecting_;
+  std::vector<std::vector<SharedPiece>> headers_out_;
+  std::vector<std::vector<SharedPiece>> headers_in_;
+  std::vector<std::vector<const char*>> sources_;
+};
+
+}  // namespace fsdp_ext::comm

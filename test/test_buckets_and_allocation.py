@@ -1,0 +1,282 @@
+"""Fused buckets (coalesced collectives) and buffers allocated from the group.
+
+Coalesced all-gathers, reduce-scatters and all-reduces are checked against
+closed-form values with mixed sizes and dtypes under every algorithm, and the
+engine's counters show each bucket ran as one op with one sequence number.
+Group-allocated buffers are checked for the path taken (read in place by
+peers, no staging copy), data, lifetime while an op is in flight, and leaks
+over 1000 allocate/collective/free iterations.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from reference import assert_equal, expected_reduction, make_input, pattern
+from test_collectives import forced_algorithms
+
+CPU = torch.device("cpu")
+# (elements per rank, dtype): awkward sizes, an empty member, mixed dtypes.
+MEMBERS = [(1, torch.float32), (0, torch.bfloat16), (3, torch.int64), (8191, torch.float16),
+           (70000, torch.float32), (5, torch.uint8)]
+
+
+def backend():
+    return dist.group.WORLD._get_backend(CPU)
+
+
+def counters():
+    return backend()._op_counters()
+
+
+def run_fused(body):
+    """Runs `body` and returns (engine ops, sequence numbers) it used."""
+    before = counters()
+    body()
+    after = counters()
+    return (after["ops"] - before["ops"],
+            after["collective_sequences"] - before["collective_sequences"])
+
+
+def check_coalesced_buckets(ctx):
+    n, rank = ctx.world_size, ctx.rank
+    for algorithm in forced_algorithms():
+        # all_gather_into_tensor: _coalescing_manager's fast path calls
+        # allgather_into_tensor_coalesced once for the whole bucket.
+        outs = [torch.empty(k * n, dtype=dt) for k, dt in MEMBERS]
+        ins = [pattern(rank, k, dt) for k, dt in MEMBERS]
+
+        def gather():
+            with dist._coalescing_manager(async_ops=True) as cm:
+                for o, i in zip(outs, ins):
+                    dist.all_gather_into_tensor(o, i)
+            cm.wait()
+
+        ops, sequences = run_fused(gather)
+        assert (ops, sequences) == (1, 1), (algorithm, ops, sequences)
+        for o, (k, dt) in zip(outs, MEMBERS):
+            expected = torch.cat([pattern(r, k, dt) for r in range(n)])
+            assert_equal(o, expected, f"coalesced all_gather {algorithm} {dt} k={k}")
+
+        # reduce_scatter_tensor, mixed float dtypes, SUM and AVG.
+        for op_name in ("SUM", "AVG"):
+            members = [(k, dt) for k, dt in MEMBERS if dt.is_floating_point]
+            rs_in = [make_input(rank, k * n, dt, op_name) for k, dt in members]
+            rs_out = [torch.empty(k, dtype=dt) for k, dt in members]
+            op = dist.ReduceOp.SUM if op_name == "SUM" else dist.ReduceOp.AVG
+
+            def scatter():
+                with dist._coalescing_manager():
+                    for o, i in zip(rs_out, rs_in):
+                        dist.reduce_scatter_tensor(o, i, op=op)
+
+            ops, sequences = run_fused(scatter)
+            assert (ops, sequences) == (1, 1), (algorithm, ops, sequences)
+            for o, (k, dt) in zip(rs_out, members):
+                full = expected_reduction([make_input(r, k * n, dt, op_name) for r in range(n)],
+                                          op_name, dt, n)
+                assert_equal(o, full[rank * k:(rank + 1) * k],
+                             f"coalesced reduce_scatter {algorithm} {op_name} {dt} k={k}")
+
+        # all_reduce: allreduce_coalesced over mixed dtypes, MAX for the ints.
+        tensors = [make_input(rank, k, dt, "MAX") for k, dt in MEMBERS]
+
+        def reduce_all():
+            with dist._coalescing_manager():
+                for t in tensors:
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+
+        ops, sequences = run_fused(reduce_all)
+        # The ring all-reduce is a reduce-scatter pass then an all-gather pass.
+        assert ops == 1 and 1 <= sequences <= 2, (algorithm, ops, sequences)
+        for t, (k, dt) in zip(tensors, MEMBERS):
+            expected = expected_reduction([make_input(r, k, dt, "MAX") for r in range(n)],
+                                          "MAX", dt, n)
+            assert_equal(t, expected, f"coalesced all_reduce {algorithm} {dt} k={k}")
+
+        # Device-style coalescing (startCoalescing ... endCoalescing): the
+        # individual collectives queued in between fuse into one bucket too.
+        outs = [torch.empty(k * n, dtype=dt) for k, dt in MEMBERS]
+
+        def device_style():
+            with dist._coalescing_manager(device=CPU, async_ops=True) as cm:
+                for o, i in zip(outs, ins):
+                    dist.all_gather_into_tensor(o, i)
+            cm.wait()
+
+        ops, sequences = run_fused(device_style)
+        assert (ops, sequences) == (1, 1), (algorithm, ops, sequences)
+        for o, (k, dt) in zip(outs, MEMBERS):
+            assert_equal(o, torch.cat([pattern(r, k, dt) for r in range(n)]),
+                         f"start/endCoalescing all_gather {algorithm} {dt} k={k}")
+
+
+def check_group_allocation(ctx):
+    n, rank = ctx.world_size, ctx.rank
+    be = backend()
+    assert be.supports_tensor_alloc(CPU)
+    assert be.shared_memory_enabled == (n > 1 or be.shared_memory_enabled)
+    for numel in (0, 1, 3, 8191, 300000):
+        for dt in (torch.float32, torch.bfloat16, torch.int64):
+            out = be.allocate_tensor(numel * n, dtype=dt, device=CPU)
+            assert out.dtype == dt and out.shape == (numel * n,) and out.device == CPU
+            # FSDP's layout: the input is this rank's slice of the output.
+            inp = out.narrow(0, rank * numel, numel)
+            inp.copy_(pattern(rank, numel, dt))
+            before = be._pool_stats()
+            os.environ["FSDP_EXT_ALLGATHER_ALGO"] = "shm"
+            try:
+                dist.all_gather_into_tensor(out, inp)
+            finally:
+                os.environ.pop("FSDP_EXT_ALLGATHER_ALGO")
+            after = be._pool_stats()
+            expected = torch.cat([pattern(r, numel, dt) for r in range(n)])
+            assert_equal(out, expected, f"all_gather from group buffer {dt} n={numel}")
+            if n > 1 and numel > 0:
+                # Peers read the input where it is: no staging copy.
+                assert after["pieces_staged"] == before["pieces_staged"], (before, after)
+                assert after["pieces_in_place"] > before["pieces_in_place"], (before, after)
+            # reduce_scatter with a group-allocated input, ordinary output.
+            full = be.allocate_tensor(numel * n, dtype=dt, device=CPU)
+            full.copy_(make_input(rank, numel * n, dt, "SUM"))
+            shard = torch.empty(numel, dtype=dt)
+            before = be._pool_stats()
+            os.environ["FSDP_EXT_REDUCE_SCATTER_ALGO"] = "shm"
+            try:
+                dist.reduce_scatter_tensor(shard, full)
+            finally:
+                os.environ.pop("FSDP_EXT_REDUCE_SCATTER_ALGO")
+            after = be._pool_stats()
+            whole = expected_reduction([make_input(r, numel * n, dt, "SUM") for r in range(n)],
+                                       "SUM", dt, n)
+            assert_equal(shard, whole[rank * numel:(rank + 1) * numel],
+                         f"reduce_scatter from group buffer {dt} n={numel}")
+            if n > 1 and numel > 0:
+                assert after["pieces_staged"] == before["pieces_staged"], (before, after)
+    # Ordinary tensors on the same path are staged (one copy) and still correct.
+    before = be._pool_stats()
+    os.environ["FSDP_EXT_ALLGATHER_ALGO"] = "shm"
+    try:
+        out = torch.empty(1000 * n)
+        dist.all_gather_into_tensor(out, torch.full((1000,), float(rank)))
+    finally:
+        os.environ.pop("FSDP_EXT_ALLGATHER_ALGO")
+    assert torch.equal(out, torch.arange(n, dtype=torch.float32).repeat_interleave(1000))
+    if n > 1:
+        assert be._pool_stats()["pieces_staged"] > before["pieces_staged"]
+
+
+def check_allocation_errors(ctx):
+    be = backend()
+    with pytest.raises(ValueError, match=r"fsdp_ext allocate_tensor .*rank \d+/\d+\): size must be >= 0"):
+        be.allocate_tensor(-1, dtype=torch.float32, device=CPU)
+    with pytest.raises(NotImplementedError, match="only CPU tensors"):
+        be.allocate_tensor(4, dtype=torch.float32, device=torch.device("meta"))
+    # CUDA device indices are >= 0: not offered.
+    assert not be.supports_tensor_alloc(torch.device("cuda", 0))
+
+
+def check_buffer_outlives_its_python_reference(ctx):
+    """A buffer freed while an op on it is in flight stays alive (and is not
+    handed out again) until the op ends."""
+    n, rank = ctx.world_size, ctx.rank
+    be = backend()
+    numel = 1 << 18
+    os.environ["FSDP_EXT_ALLGATHER_ALGO"] = "shm"
+    try:
+        for _ in range(20):
+            out = torch.empty(numel * n)
+            inp = be.allocate_tensor(numel, dtype=torch.float32, device=CPU)
+            inp.fill_(rank + 1)
+            address = inp.data_ptr()
+            in_use = be._pool_stats()["in_use"]
+            work = dist.all_gather_into_tensor(out, inp, async_op=True)
+            del inp  # the op still holds the buffer
+            other = be.allocate_tensor(numel, dtype=torch.float32, device=CPU)
+            if not work.is_completed():
+                assert other.data_ptr() != address
+            other.fill_(-1.0)  # must not disturb the op's input
+            work.wait()
+            expected = torch.arange(1, n + 1, dtype=torch.float32).repeat_interleave(numel)
+            assert torch.equal(out, expected)
+            del other
+            assert be._pool_stats()["in_use"] == in_use - 1
+    finally:
+        os.environ.pop("FSDP_EXT_ALLGATHER_ALGO")
+
+
+def _open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_no_leaks_over_1000_iterations(ctx):
+    n, rank = ctx.world_size, ctx.rank
+    be = backend()
+    sizes = (1, 3000, 70000)  # below and above the shared-memory threshold
+
+    def iteration(i):
+        numel = sizes[i % len(sizes)]
+        out = be.allocate_tensor(numel * n, dtype=torch.float32, device=CPU)
+        inp = out.narrow(0, rank * numel, numel)
+        inp.fill_(float(rank + i))
+        dist.all_gather_into_tensor(out, inp)
+        grad = be.allocate_tensor(numel * n, dtype=torch.float32, device=CPU)
+        grad.fill_(1.0)
+        shard = be.allocate_tensor(numel, dtype=torch.float32, device=CPU)
+        dist.reduce_scatter_tensor(shard, grad)
+        assert out[-1].item() == float(n - 1 + i) and shard[0].item() == float(n)
+
+    for i in range(30):  # warm up: pool classes, peer mappings, staging
+        iteration(i)
+    dist.barrier()
+    stats, fds, rss = be._pool_stats(), _open_fds(), _rss_bytes()
+    shm_files = sorted(os.listdir("/dev/shm"))
+    for i in range(1000):
+        iteration(i)
+    dist.barrier()
+    after = be._pool_stats()
+    for key in ("segments", "in_use", "reserved_bytes", "registrations", "mapped_peer_segments"):
+        assert after[key] == stats[key], (key, stats, after)
+    assert after["reuses"] - stats["reuses"] == 3000  # every allocation reused a buffer
+    assert _open_fds() == fds
+    assert sorted(os.listdir("/dev/shm")) == shm_files
+    assert _rss_bytes() - rss < (8 << 20), (rss, _rss_bytes())
+
+
+def check_without_shared_memory(ctx):
+    """Groups that cannot share memory offer no allocation and use UCX only."""
+    n, rank = ctx.world_size, ctx.rank
+    be = backend()
+    assert not be.shared_memory_enabled
+    assert not be.supports_tensor_alloc(CPU)
+    with pytest.raises(RuntimeError, match="does not share memory"):
+        be.allocate_tensor(4, dtype=torch.float32, device=CPU)
+    check_coalesced_buckets(ctx)
+    assert be._pool_stats()["pieces_staged"] == 0
+    assert be._pool_stats()["pieces_in_place"] == 0
+
+
+def test_coalesced_buckets(pool):
+    pool.run(check_coalesced_buckets)
+
+
+@pytest.mark.parametrize("check", [check_group_allocation, check_allocation_errors,
+                                   check_buffer_outlives_its_python_reference],
+                         ids=lambda f: f.__name__.removeprefix("check_"))
+def test_allocation(pool, check):
+    pool.run(check)
+
+
+def test_no_leaks_over_1000_iterations(pool2):
+    pool2.run(check_no_leaks_over_1000_iterations, timeout=300)
+
+
+def test_without_shared_memory(pool_without_shared_memory):
+    pool_without_shared_memory.run(check_without_shared_memory)

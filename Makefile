@@ -47,6 +47,7 @@ demo: build
 
 bench: build
 	$(PY) benchmarks/collectives.py
+	$(PY) benchmarks/fsdp_step.py
 
 clean:
 	rm -rf build torch_fsdp_ext/_C*.so

@@ -166,6 +166,27 @@ def check_group_allocation(ctx):
     assert torch.equal(out, torch.arange(n, dtype=torch.float32).repeat_interleave(1000))
     if n > 1:
         assert be._pool_stats()["pieces_staged"] > before["pieces_staged"]
+    # Large ordinary inputs are read by peers with process_vm_readv where the
+    # host allows it (one copy), else staged.
+    numel = 300000  # 1.2 MB per rank
+    before = be._pool_stats()
+    os.environ["FSDP_EXT_ALLGATHER_ALGO"] = "shm"
+    os.environ["FSDP_EXT_BROADCAST_ALGO"] = "shm"
+    try:
+        out = torch.empty(numel * n)
+        dist.all_gather_into_tensor(out, pattern(rank, numel, torch.float32))
+        data = pattern(rank, numel, torch.float32)
+        dist.broadcast(data, src=n - 1)
+    finally:
+        os.environ.pop("FSDP_EXT_ALLGATHER_ALGO")
+        os.environ.pop("FSDP_EXT_BROADCAST_ALGO")
+    assert_equal(out, torch.cat([pattern(r, numel, torch.float32) for r in range(n)]),
+                 "all_gather of a large ordinary tensor")
+    assert_equal(data, pattern(n - 1, numel, torch.float32), "broadcast of a large ordinary tensor")
+    after = be._pool_stats()
+    if n > 1:
+        path = "pieces_process_reads" if after["process_reads_enabled"] else "pieces_staged"
+        assert after[path] > before[path], (before, after)
 
 
 def check_allocation_errors(ctx):

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
@@ -91,6 +92,23 @@ bool shared_memory_wanted() {
   return value == nullptr || std::strcmp(value, "0") != 0;
 }
 
+// Whether this rank can read every peer's ordinary memory with
+// process_vm_readv (needs ptrace permission: same uid, no Yama restriction).
+bool can_read_all_processes(const std::vector<PeerIdentity>& peers, int rank) {
+  for (int p = 0; p < static_cast<int>(peers.size()); ++p) {
+    if (p == rank) continue;
+    uint64_t value = 0;
+    try {
+      comm::SharedMemoryDomain::read_process_memory(peers[p].pid, peers[p].probe_address, &value,
+                                                    sizeof(value));
+    } catch (const comm::CommError&) {
+      return false;
+    }
+    if (value != kProcessReadProbeValue) return false;
+  }
+  return true;
+}
+
 // Whether this rank can share memory with every peer: all on this host, and
 // each peer's probe segment maps.
 bool can_share_with_all(comm::SharedMemoryDomain& domain,
@@ -130,14 +148,16 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   const OpLabel init_label = label("init");
   TORCH_CHECK_VALUE(size >= 1 && size < comm::tag::kMaxRanks, init_label.prefix(),
                     "group size ", size, " is out of range");
-  auto shared_ok = std::make_shared<int32_t>(0);
+  // [0]: every peer's shared memory maps; [1]: process_vm_readv works too.
+  auto shared_ok = std::make_shared<std::array<int32_t, 2>>();
   std::vector<pid_t> pids(size);
   try {
     auto transport = std::make_unique<comm::Transport>(rank, size);
     pool_ = std::make_shared<comm::SharedBufferPool>(transport->context());
     shared_memory_ = std::make_shared<comm::SharedMemoryDomain>(rank, pool_);
     PeerIdentity mine{transport->worker_address(), this_host(), getpid(),
-                      shared_memory_->probe_piece()};
+                      shared_memory_->probe_piece(),
+                      reinterpret_cast<uint64_t>(&kProcessReadProbeValue)};
     std::vector<PeerIdentity> peers;
     std::vector<std::vector<uint8_t>> addresses;
     for (const auto& blob : exchange_addresses(*store, rank, size, serialize(mine))) {
@@ -146,7 +166,8 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
       pids[peers.size() - 1] = peers.back().pid;
     }
     transport->connect(addresses);
-    *shared_ok = can_share_with_all(*shared_memory_, peers, rank) ? 1 : 0;
+    (*shared_ok)[0] = can_share_with_all(*shared_memory_, peers, rank) ? 1 : 0;
+    (*shared_ok)[1] = (*shared_ok)[0] && can_read_all_processes(peers, rank) ? 1 : 0;
     comm::EngineConfig config;
     config.rank = rank;
     config.size = size;
@@ -165,10 +186,11 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   auto domain = shared_memory_;
   auto work = enqueue(init_label, c10d::OpType::BARRIER, nullptr, true, default_timeout_, {},
                       {}, [shared_ok, domain, pids](comm::OpContext& context) {
-                        comm::allreduce(context, comm::MutableSpan{shared_ok.get(), sizeof(int32_t)},
+                        comm::allreduce(context,
+                                        comm::MutableSpan{shared_ok->data(), sizeof(*shared_ok)},
                                         comm::ReduceSpec{comm::DataType::kInt32,
                                                          comm::ReduceKind::kMin});
-                        if (*shared_ok == 1) domain->enable(pids);
+                        if ((*shared_ok)[0] == 1) domain->enable(pids, (*shared_ok)[1] == 1);
                       });
   work->wait();
   std::lock_guard<std::mutex> lock(registry_mutex());

@@ -3,11 +3,23 @@
 #include <c10/util/Exception.h>
 #include <sched.h>
 
+#include <algorithm>
+#include <cstdlib>
+
 namespace fsdp_ext::backend {
 namespace {
-// Most ops finish within tens of microseconds; polling that long before
-// sleeping on the condition variable saves a futex wake-up per op.
-constexpr auto kWaitSpin = std::chrono::microseconds(50);
+// Most ops finish within tens to hundreds of microseconds; polling (and
+// yielding the core to the progress thread) that long before sleeping on the
+// condition variable saves a futex wake-up per op, which costs tens of
+// microseconds on virtual machines. FSDP_EXT_WAIT_SPIN_US overrides it.
+std::chrono::microseconds wait_spin() {
+  static const std::chrono::microseconds spin = [] {
+    const char* value = std::getenv("FSDP_EXT_WAIT_SPIN_US");
+    if (value == nullptr || value[0] == '\0') return std::chrono::microseconds(1000);
+    return std::chrono::microseconds(std::max(0L, std::strtol(value, nullptr, 10)));
+  }();
+  return spin;
+}
 }  // namespace
 
 std::exception_ptr make_backend_error(const std::string& message) {
@@ -26,7 +38,7 @@ FsdpExtWork::FsdpExtWork(int rank, c10d::OpType type, const char* profiling_titl
           c10::ListType::create(c10::TensorType::get()))) {}
 
 bool FsdpExtWork::wait(std::chrono::milliseconds timeout) {
-  const auto spin_until = std::chrono::steady_clock::now() + kWaitSpin;
+  const auto spin_until = std::chrono::steady_clock::now() + wait_spin();
   while (!done_.load(std::memory_order_acquire) &&
          std::chrono::steady_clock::now() < spin_until) {
     sched_yield();

@@ -44,6 +44,8 @@ class Reader {
 
 }  // namespace
 
+const uint64_t kProcessReadProbeValue = 0x66736470'65787431ull;
+
 std::string this_host() {
   char name[256] = {};
   gethostname(name, sizeof(name) - 1);
@@ -60,6 +62,7 @@ std::vector<uint8_t> serialize(const PeerIdentity& identity) {
   put_bytes(out, identity.host.data(), identity.host.size());
   put<int32_t>(out, identity.pid);
   put(out, identity.probe);
+  put(out, identity.probe_address);
   return out;
 }
 
@@ -72,6 +75,7 @@ PeerIdentity deserialize_peer_identity(const std::vector<uint8_t>& blob) {
   reader.get_bytes(identity.host.data(), identity.host.size());
   identity.pid = reader.get<int32_t>();
   identity.probe = reader.get<comm::SharedPiece>();
+  identity.probe_address = reader.get<uint64_t>();
   return identity;
 }
 

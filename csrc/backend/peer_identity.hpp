@@ -18,7 +18,13 @@ struct PeerIdentity {
   std::string host;  // hostname and kernel boot id: equal only on one machine
   pid_t pid = 0;
   comm::SharedPiece probe;
+  // Address of a known value in this process, for peers to test
+  // process_vm_readv on.
+  uint64_t probe_address = 0;
 };
+
+// The value at PeerIdentity::probe_address.
+extern const uint64_t kProcessReadProbeValue;
 
 std::string this_host();
 std::vector<uint8_t> serialize(const PeerIdentity& identity);

@@ -1,6 +1,10 @@
 #include "comm/shared_memory_domain.h"
 
+#include <sys/uio.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <string>
 
 #include "comm/error.h"
@@ -18,8 +22,9 @@ SharedMemoryDomain::SharedMemoryDomain(int rank, std::shared_ptr<SharedBufferPoo
   }
 }
 
-void SharedMemoryDomain::enable(std::vector<pid_t> peer_pids) {
+void SharedMemoryDomain::enable(std::vector<pid_t> peer_pids, bool process_reads) {
   peer_pids_ = std::move(peer_pids);
+  process_reads_ = process_reads;
   enabled_.store(true, std::memory_order_release);
 }
 
@@ -90,6 +95,38 @@ SharedPiece SharedMemoryDomain::probe_piece() {
 
 void SharedMemoryDomain::probe_peer(int peer, pid_t peer_pid, const SharedPiece& piece) {
   map_peer_with_pid(peer, peer_pid, piece);
+}
+
+}  // namespace fsdp_ext::comm
+
+namespace fsdp_ext::comm {
+
+void SharedMemoryDomain::read_process_memory(pid_t pid, uint64_t address, void* destination,
+                                             size_t bytes) {
+  char* out = static_cast<char*>(destination);
+  size_t done = 0;
+  while (done < bytes) {
+    // One call may copy less than asked (it stops at page or size limits).
+    iovec local{out + done, bytes - done};
+    iovec remote{reinterpret_cast<void*>(address + done), bytes - done};
+    const ssize_t copied = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+    if (copied <= 0) {
+      throw CommError(ErrorKind::kTransport,
+                      "process_vm_readv of " + std::to_string(bytes) + " bytes from pid " +
+                          std::to_string(pid) + " failed: " +
+                          (copied < 0 ? std::strerror(errno) : "no progress"));
+    }
+    done += static_cast<size_t>(copied);
+  }
+}
+
+void SharedMemoryDomain::copy_from_peer(int peer, const SharedPiece& piece, void* destination) {
+  if (piece.bytes == 0) return;
+  if (piece.in_process_memory) {
+    read_process_memory(peer_pids_.at(peer), piece.process_address, destination, piece.bytes);
+  } else {
+    std::memcpy(destination, map_peer(peer, piece), piece.bytes);
+  }
 }
 
 }  // namespace fsdp_ext::comm

@@ -41,6 +41,12 @@ struct SharedPiece {
   // 0: a pool buffer (peers keep it mapped); k > 0: staging slot k - 1 (a
   // newer segment for the same slot replaces the older mapping).
   uint32_t staging_slot = 0;
+  // Non-zero: not shared memory at all but ordinary memory of the owner at
+  // `process_address`, which the reader copies with process_vm_readv (one
+  // copy, done by the kernel) instead of the owner staging it first.
+  uint32_t in_process_memory = 0;
+  uint32_t reserved = 0;
+  uint64_t process_address = 0;
 };
 
 class SharedMemoryDomain {
@@ -57,7 +63,10 @@ class SharedMemoryDomain {
 
   bool enabled() const { return enabled_.load(std::memory_order_acquire); }
   // Set once at init, after the ranks agreed (see the backend).
-  void enable(std::vector<pid_t> peer_pids);
+  // `process_reads`: every rank may also read every other's ordinary memory
+  // with process_vm_readv (same uid, no ptrace restriction).
+  void enable(std::vector<pid_t> peer_pids, bool process_reads);
+  bool process_reads() const { return process_reads_; }
 
   // --- progress thread only ---------------------------------------------
   // Staging memory of at least `bytes` in `slot`, valid until the next call
@@ -73,12 +82,23 @@ class SharedMemoryDomain {
   SharedPiece probe_piece();
   // Maps `peer`'s probe piece (throws CommError when that is impossible).
   void probe_peer(int peer, pid_t peer_pid, const SharedPiece& piece);
+  // Copies `bytes` at `address` in process `pid` into `destination` with
+  // process_vm_readv. Throws CommError on failure.
+  static void read_process_memory(pid_t pid, uint64_t address, void* destination, size_t bytes);
+  // Copies `piece` of `peer`'s memory into `destination`, whatever its kind.
+  void copy_from_peer(int peer, const SharedPiece& piece, void* destination);
 
-  // Pieces peers were offered in place (already in shared memory) and after
-  // a staging copy, so tests can see which path an op took (any thread).
-  void count_offered(bool in_place) { (in_place ? in_place_ : staged_).fetch_add(1); }
+  // How pieces were offered to peers: in place (already in shared memory),
+  // after a staging copy, or as process memory for process_vm_readv; so
+  // tests can see which path an op took (any thread).
+  enum class Offer { kInPlace, kStaged, kProcessMemory };
+  void count_offered(Offer how) {
+    (how == Offer::kInPlace ? in_place_ : how == Offer::kStaged ? staged_ : process_reads_offered_)
+        .fetch_add(1, std::memory_order_relaxed);
+  }
   uint64_t pieces_offered_in_place() const { return in_place_.load(); }
   uint64_t pieces_staged() const { return staged_.load(); }
+  uint64_t pieces_offered_for_process_reads() const { return process_reads_offered_.load(); }
 
   // How many peer segments are mapped now (for leak tests; any thread).
   size_t mapped_peer_segments() const { return mapped_count_.load(std::memory_order_relaxed); }
@@ -94,6 +114,7 @@ class SharedMemoryDomain {
   std::shared_ptr<SharedBufferPool> pool_;
   std::atomic<bool> enabled_{false};
   std::vector<pid_t> peer_pids_;
+  bool process_reads_ = false;
   StagingSlot staging_[kStagingSlots];
   struct PeerStaging {
     uint64_t id = 0;
@@ -106,6 +127,7 @@ class SharedMemoryDomain {
   std::atomic<size_t> mapped_count_{0};
   std::atomic<uint64_t> in_place_{0};
   std::atomic<uint64_t> staged_{0};
+  std::atomic<uint64_t> process_reads_offered_{0};
 };
 
 }  // namespace fsdp_ext::comm

@@ -41,11 +41,14 @@ PYBIND11_MODULE(_C, m) {
             out["mapped_peer_segments"] = backend.mapped_peer_segments();
             out["pieces_in_place"] = backend.shared_memory_domain().pieces_offered_in_place();
             out["pieces_staged"] = backend.shared_memory_domain().pieces_staged();
+            out["process_reads_enabled"] = backend.shared_memory_domain().process_reads();
+            out["pieces_process_reads"] =
+                backend.shared_memory_domain().pieces_offered_for_process_reads();
             return out;
           },
           "Counters of the group's buffer pool and of peers' segments mapped here\n"
           "(for leak checks), and how many shared-memory pieces were offered to\n"
-          "peers in place versus after a staging copy.")
+          "peers in place, after a staging copy, or for process_vm_readv.")
       .def(
           "_op_counters",
           [](const FsdpExtBackend& backend) {

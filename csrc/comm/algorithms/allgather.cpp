@@ -5,7 +5,8 @@
 //   ring  : n-1 steps, each forwarding every member's block received in the
 //           step before; every link carries each byte once.
 //   shm   : each rank copies every peer's input straight out of the peer's
-//           memory (in place when it came from the group's pool).
+//           memory: mapped in place when it came from the group's pool,
+//           else with process_vm_readv (large) or from a staging copy (small).
 #include "comm/algorithm_selection.h"
 #include "comm/algorithms/algorithms.h"
 #include "comm/algorithms/shared_source_exchange.h"
@@ -71,7 +72,7 @@ void allgather_shared(OpContext& context, SharedMemoryDomain& domain,
                       const std::vector<AllgatherMember>& bucket) {
   const int n = context.size();
   const int r = context.rank();
-  SharedSourceExchange exchange(context, domain, 0);
+  SharedSourceExchange exchange(context, domain, 0, /*staging_slot=*/0, /*copy_only=*/true);
   std::vector<ConstSpan> inputs;
   for (const AllgatherMember& member : bucket) inputs.push_back(member.input);
   for (int p = 0; p < n; ++p) {
@@ -87,8 +88,7 @@ void allgather_shared(OpContext& context, SharedMemoryDomain& domain,
   for (int k = 1; k < n; ++k) {
     const int p = detail::wrap(r + k, n);
     for (size_t m = 0; m < bucket.size(); ++m) {
-      const MutableSpan& out = bucket[m].outputs[p];
-      if (out.bytes != 0) std::memcpy(out.data, exchange.source(p, m), out.bytes);
+      exchange.copy_out(p, m, bucket[m].outputs[p].data);
     }
   }
   exchange.finish();

@@ -52,7 +52,7 @@ void broadcast_binomial(OpContext& context, MutableSpan data, int root) {
 
 void broadcast_shared(OpContext& context, SharedMemoryDomain& domain, MutableSpan data,
                       int root) {
-  SharedSourceExchange exchange(context, domain, 0);
+  SharedSourceExchange exchange(context, domain, 0, /*staging_slot=*/0, /*copy_only=*/true);
   if (context.rank() == root) {
     for (int p = 0; p < context.size(); ++p) {
       if (p != root) exchange.offer(p, {ConstSpan{data.data, data.bytes}});
@@ -61,9 +61,7 @@ void broadcast_shared(OpContext& context, SharedMemoryDomain& domain, MutableSpa
     exchange.expect(root, {data.bytes});
   }
   exchange.exchange();
-  if (context.rank() != root && data.bytes != 0) {
-    std::memcpy(data.data, exchange.source(root, 0), data.bytes);
-  }
+  if (context.rank() != root) exchange.copy_out(root, 0, data.data);
   exchange.finish();
 }
 

@@ -10,17 +10,23 @@
 namespace fsdp_ext::comm {
 namespace {
 constexpr size_t kStagingAlignment = 64;
+// Below this a staging copy plus a copy out of shared memory beats one
+// process_vm_readv, which pins every page it reads (measured on 2 cores:
+// 512 KiB pieces ~70 us staged vs ~90-130 us; 2 MiB pieces 370 vs 260 us).
+constexpr size_t kProcessReadMinBytes = 1 << 20;
 size_t aligned(size_t bytes) {
   return (bytes + kStagingAlignment - 1) / kStagingAlignment * kStagingAlignment;
 }
 }  // namespace
 
 SharedSourceExchange::SharedSourceExchange(OpContext& context, SharedMemoryDomain& domain,
-                                           uint32_t first_step, int staging_slot)
+                                           uint32_t first_step, int staging_slot,
+                                           bool copy_only)
     : context_(context),
       domain_(domain),
       header_step_(first_step),
       staging_slot_(staging_slot),
+      copy_only_(copy_only),
       offers_(context.size()),
       offered_(context.size(), false),
       expected_(context.size()),
@@ -52,9 +58,15 @@ void SharedSourceExchange::exchange() {
       if (piece.bytes == 0 || located.count(key)) continue;
       if (std::optional<SharedPiece> found = domain_.locate(piece.data, piece.bytes)) {
         located[key] = *found;
-        domain_.count_offered(/*in_place=*/true);
+        domain_.count_offered(SharedMemoryDomain::Offer::kInPlace);
+      } else if (copy_only_ && domain_.process_reads() && piece.bytes >= kProcessReadMinBytes) {
+        SharedPiece direct;
+        direct.in_process_memory = 1;
+        direct.process_address = reinterpret_cast<uint64_t>(piece.data);
+        located[key] = direct;
+        domain_.count_offered(SharedMemoryDomain::Offer::kProcessMemory);
       } else {
-        domain_.count_offered(/*in_place=*/false);
+        domain_.count_offered(SharedMemoryDomain::Offer::kStaged);
         located[key] = SharedPiece{};
         to_stage.push_back(key);
         staging_bytes += aligned(piece.bytes);
@@ -103,7 +115,7 @@ void SharedSourceExchange::exchange() {
                             std::to_string(expected_[p][i]) +
                             " (tensor sizes differ between ranks)");
       }
-      if (piece.bytes != 0) sources_[p][i] = domain_.map_peer(p, piece);
+      if (piece.bytes != 0 && !piece.in_process_memory) sources_[p][i] = domain_.map_peer(p, piece);
     }
   }
 }

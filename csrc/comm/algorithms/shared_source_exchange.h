@@ -31,15 +31,24 @@ class SharedSourceExchange {
  public:
   // Uses steps `first_step` (headers) and `first_step + 1` (done messages);
   // `staging_slot` is the domain slot for pieces that need staging.
+  // `copy_only`: readers only copy pieces out (copy_out), never read them in
+  // place, so large pieces outside shared memory may be offered as ordinary
+  // process memory that readers copy with process_vm_readv: one copy
+  // instead of staging plus copy.
   SharedSourceExchange(OpContext& context, SharedMemoryDomain& domain, uint32_t first_step,
-                       int staging_slot = 0);
+                       int staging_slot = 0, bool copy_only = false);
 
   void offer(int peer, std::vector<ConstSpan> pieces);
   void expect(int peer, std::vector<size_t> piece_bytes);
 
   void exchange();
   // Start of `peer`'s piece `index` (valid until finish()); null if empty.
+  // Not for copy_only exchanges.
   const char* source(int peer, size_t index) const { return sources_[peer][index]; }
+  // Copies `peer`'s piece `index` into `destination`.
+  void copy_out(int peer, size_t index, void* destination) {
+    domain_.copy_from_peer(peer, headers_in_[peer][index], destination);
+  }
   void finish();
 
  private:
@@ -47,6 +56,7 @@ class SharedSourceExchange {
   SharedMemoryDomain& domain_;
   uint32_t header_step_;
   int staging_slot_;
+  bool copy_only_;
   std::vector<std::vector<ConstSpan>> offers_;
   std::vector<bool> offered_;
   std::vector<std::vector<size_t>> expected_;

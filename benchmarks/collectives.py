@@ -14,7 +14,8 @@ alternating, so host noise hits all alike:
 all_gather_into_tensor uses FSDP2's layout (the input is this rank's slice of
 the output); the *_coalesced rows issue a bucket of 4 equal members inside
 dist._coalescing_manager (one fused op for fsdp_ext). Reports the median of
-the repeats (each repeat: the slowest rank), the bus bandwidth (the bytes
+the repeats (each repeat: two untimed ops, then the timed ones; the slowest
+rank's time), the bus bandwidth (the bytes
 each rank must move, nccl-tests' convention), ratios to gloo and to
 single-core memcpy at the same size. Writes benchmarks/results/collectives.json
 and a plot of bus bandwidth against size, collectives.png, next to it.
@@ -60,13 +61,21 @@ def sizes_up_to(max_bytes):
 
 
 def iterations_for(nbytes):
+    # Enough back-to-back ops per repeat to get past the ramp-up this VM shows
+    # after a pause (the first ~10 large ops after an idle barrier run up to
+    # 2.5x slower, for gloo too), plus WARMUP untimed ones per repeat.
     if nbytes <= 64 << 10:
         return 200
     if nbytes <= 1 << 20:
-        return 40
+        return 50
+    if nbytes <= 4 << 20:
+        return 30
     if nbytes <= 16 << 20:
-        return 8
-    return 3
+        return 12
+    return 4
+
+
+WARMUP = 2
 
 
 def bus_factor(op, n):
@@ -152,6 +161,8 @@ def _worker(rank, world, init_file, ops, sizes, repeats, queue):
             for _ in range(repeats):
                 for name, run in runners.items():
                     dist.barrier(group=gloo)
+                    for _ in range(WARMUP):
+                        run()
                     start = time.perf_counter()
                     for _ in range(iters):
                         run()

@@ -323,7 +323,6 @@ FsdpExtBackend::Body FsdpExtBackend::coalesced_body(
   // bucket: one algorithm pass.
   auto fused = std::make_shared<BucketMembers>();
   bool fusible = !members->empty();
-  int kinds_seen = 0;
   for (const CoalescedOp& member : *members) {
     if (!member.bucket) {
       fusible = false;
@@ -335,8 +334,8 @@ FsdpExtBackend::Body FsdpExtBackend::coalesced_body(
                                  b.reduce_scatter.end());
     fused->allreduce.insert(fused->allreduce.end(), b.allreduce.begin(), b.allreduce.end());
   }
-  kinds_seen = !fused->allgather.empty() + !fused->reduce_scatter.empty() +
-               !fused->allreduce.empty();
+  const int kinds_seen = !fused->allgather.empty() + !fused->reduce_scatter.empty() +
+                         !fused->allreduce.empty();
   if (fusible && kinds_seen <= 1) return bucket_body(fused);
   // Anything else (mixed kinds, point-to-point): one queued op whose
   // point-to-point members are posted (non-blocking) and whose collective

@@ -97,9 +97,6 @@ void SharedMemoryDomain::probe_peer(int peer, pid_t peer_pid, const SharedPiece&
   map_peer_with_pid(peer, peer_pid, piece);
 }
 
-}  // namespace fsdp_ext::comm
-
-namespace fsdp_ext::comm {
 
 void SharedMemoryDomain::read_process_memory(pid_t pid, uint64_t address, void* destination,
                                              size_t bytes) {

@@ -49,6 +49,9 @@ struct SharedPiece {
   uint64_t process_address = 0;
 };
 
+// Pieces placed one after another in a staging slot start on cache lines.
+inline size_t align_for_staging(size_t bytes) { return (bytes + 63) / 64 * 64; }
+
 class SharedMemoryDomain {
  public:
   static constexpr int kStagingSlots = 2;

@@ -19,12 +19,7 @@ namespace {
 void allreduce_direct(OpContext& context, const std::vector<AllreduceMember>& bucket) {
   const int n = context.size();
   const int r = context.rank();
-  for (const AllreduceMember& member : bucket) {
-    if (member.spec.pre_scale != 1.0) {
-      scale_in_place(member.data.data, member.data.bytes / element_size(member.spec.type),
-                     member.spec.type, member.spec.pre_scale);
-    }
-  }
+  for (const AllreduceMember& member : bucket) detail::pre_scale_in_place(member.data, member.spec);
   // contributions[m][p]: rank p's buffer for member m.
   std::vector<std::vector<const void*>> contributions(bucket.size(),
                                                       std::vector<const void*>(n, nullptr));
@@ -98,32 +93,24 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
     inputs.offer(p, std::move(pieces));
     inputs.expect(p, std::move(sizes));
   }
-  for (const AllreduceMember& member : bucket) {
-    if (member.spec.pre_scale != 1.0) {
-      scale_in_place(member.data.data, member.data.bytes / element_size(member.spec.type),
-                     member.spec.type, member.spec.pre_scale);
-    }
-  }
+  for (const AllreduceMember& member : bucket) detail::pre_scale_in_place(member.data, member.spec);
   inputs.exchange();
   size_t reduced_bytes = 0;
-  for (size_t m = 0; m < bucket.size(); ++m) reduced_bytes += (blocks[m][r].bytes + 63) / 64 * 64;
+  for (size_t m = 0; m < bucket.size(); ++m) reduced_bytes += align_for_staging(blocks[m][r].bytes);
   char* reduced = domain.staging(1, reduced_bytes);
   std::vector<ConstSpan> reduced_blocks;
   std::vector<const void*> others;
   for (size_t m = 0; m < bucket.size(); ++m) {
-    const ReduceSpec& spec = bucket[m].spec;
     const size_t bytes = blocks[m][r].bytes;
     others.clear();
     for (int p = 0; p < n; ++p) {
       if (p != r) others.push_back(inputs.source(p, m));
     }
-    // Rank order (own block first), as the reduce-scatter algorithms do.
-    std::memcpy(reduced, blocks[m][r].data, bytes);
-    const size_t count = bytes / element_size(spec.type);
-    for (const void* source : others) reduce_into(reduced, source, count, spec.type, spec.kind);
-    detail::post_scale(reduced, bytes, spec);
+    // Own block first, then the peers in rank order, as reduce-scatter does.
+    detail::reduce_sources(MutableSpan{reduced, bytes}, blocks[m][r].data, others, bucket[m].spec);
+    detail::post_scale(reduced, bytes, bucket[m].spec);
     reduced_blocks.push_back(ConstSpan{reduced, bytes});
-    reduced += (bytes + 63) / 64 * 64;
+    reduced += align_for_staging(bytes);
   }
   // Phase 2: publish the reduced blocks and copy the peers' ones. A peer's
   // phase-2 header also says it has finished reading this rank's buffers, so
@@ -155,10 +142,7 @@ void allreduce(OpContext& context, const std::vector<AllreduceMember>& bucket) {
   if (n == 1) {
     for (const AllreduceMember& member : bucket) {
       // A group of one still applies PREMUL_SUM's factor and AVG's divide.
-      const size_t count = member.data.bytes / element_size(member.spec.type);
-      if (member.spec.pre_scale != 1.0) {
-        scale_in_place(member.data.data, count, member.spec.type, member.spec.pre_scale);
-      }
+      detail::pre_scale_in_place(member.data, member.spec);
       detail::post_scale(member.data.data, member.data.bytes, member.spec);
     }
     return;

@@ -119,25 +119,6 @@ void reduce_scatter_ring(OpContext& context, const std::vector<ReduceScatterMemb
   }
 }
 
-// output = own (op) every other source in rank order, a block at a time so
-// the accumulator stays in L1/L2 while the sources stream through: one pass
-// over memory instead of n.
-void reduce_sources(MutableSpan output, const void* own,
-                    const std::vector<const void*>& others, const ReduceSpec& spec) {
-  constexpr size_t kBlockBytes = 32 << 10;
-  const size_t element = element_size(spec.type);
-  const size_t block = kBlockBytes / element * element;
-  char* out = static_cast<char*>(output.data);
-  for (size_t offset = 0; offset < output.bytes; offset += block) {
-    const size_t bytes = std::min(block, output.bytes - offset);
-    detail::copy_if_distinct(out + offset, static_cast<const char*>(own) + offset, bytes);
-    for (const void* source : others) {
-      reduce_into(out + offset, static_cast<const char*>(source) + offset, bytes / element,
-                  spec.type, spec.kind);
-    }
-  }
-}
-
 void reduce_scatter_shared(OpContext& context, SharedMemoryDomain& domain,
                            const std::vector<ReduceScatterMember>& bucket) {
   const int n = context.size();
@@ -163,7 +144,7 @@ void reduce_scatter_shared(OpContext& context, SharedMemoryDomain& domain,
     for (int p = 0; p < n; ++p) {
       if (p != r) others.push_back(exchange.source(p, m));
     }
-    reduce_sources(bucket[m].output, bucket[m].inputs[r].data, others, bucket[m].spec);
+    detail::reduce_sources(bucket[m].output, bucket[m].inputs[r].data, others, bucket[m].spec);
   }
   exchange.finish();
 }

@@ -34,6 +34,32 @@ inline void post_scale(void* data, size_t bytes, const ReduceSpec& spec) {
   }
 }
 
+// output = own (op) every other source in order, a block at a time so the
+// accumulator stays in L1/L2 while the sources stream through: one pass over
+// memory instead of one per source. `own` may alias `output`.
+inline void reduce_sources(MutableSpan output, const void* own,
+                           const std::vector<const void*>& others, const ReduceSpec& spec) {
+  constexpr size_t kBlockBytes = 32 << 10;
+  const size_t element = element_size(spec.type);
+  const size_t block = kBlockBytes / element * element;
+  char* out = static_cast<char*>(output.data);
+  for (size_t offset = 0; offset < output.bytes; offset += block) {
+    const size_t bytes = std::min(block, output.bytes - offset);
+    copy_if_distinct(out + offset, static_cast<const char*>(own) + offset, bytes);
+    for (const void* source : others) {
+      reduce_into(out + offset, static_cast<const char*>(source) + offset, bytes / element,
+                  spec.type, spec.kind);
+    }
+  }
+}
+
+// PREMUL_SUM in place (all-reduce works on the caller's buffer anyway).
+inline void pre_scale_in_place(MutableSpan data, const ReduceSpec& spec) {
+  if (spec.pre_scale != 1.0) {
+    scale_in_place(data.data, data.bytes / element_size(spec.type), spec.type, spec.pre_scale);
+  }
+}
+
 // `bytes` of `element`-sized items cut into `parts` contiguous blocks whose
 // element counts differ by at most one (all-reduce's per-rank blocks).
 inline std::vector<MutableSpan> split_blocks(MutableSpan data, size_t element, int parts) {

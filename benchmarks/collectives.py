@@ -22,14 +22,12 @@ and a plot of bus bandwidth against size, collectives.png, next to it.
 """
 
 import argparse
-import datetime
 import json
-import multiprocessing as mp
 import os
 import statistics
-import tempfile
 import time
 
+from _workers import init_rank, run_ranks
 from torch_fsdp_ext import _C
 
 OPS = ["all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_into_tensor_coalesced",
@@ -122,19 +120,11 @@ def _make_runner(op, nbytes, world, rank, group, allocate):
     return coalesced, per_member * members
 
 
-def _worker(rank, world, init_file, ops, sizes, repeats, queue):
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    os.environ.setdefault("UCX_TLS", "self,sm,tcp")
-    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+def _worker(rank, world, init_file, queue, ops, sizes, repeats):
+    gloo = init_rank(rank, world, init_file)
     import torch
     import torch.distributed as dist
 
-    import torch_fsdp_ext  # noqa: F401
-
-    torch.set_num_threads(1)
-    dist.init_process_group("fsdp_ext", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(minutes=10))
-    gloo = dist.new_group(backend="gloo")
     cpu = torch.device("cpu")
     backend = dist.group.WORLD._get_backend(cpu)
     shared_memory = backend.supports_tensor_alloc(cpu)
@@ -296,16 +286,7 @@ def main():
     memcpy = measure_memcpy(sizes)
     rows = []
     for world in args.world_sizes:
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        with tempfile.TemporaryDirectory() as tmp:
-            procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "init"), args.ops,
-                                                       sizes, args.repeats, queue)) for r in range(world)]
-            for p in procs:
-                p.start()
-            results = queue.get(timeout=3600)
-            for p in procs:
-                p.join()
+        results = run_ranks(world, _worker, args.ops, sizes, args.repeats)
         rows.extend(summarize(entry, memcpy) for entry in results)
     print_table(rows)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)

@@ -19,52 +19,35 @@ first third (each step: the slowest rank), and checks that the losses match.
 """
 
 import argparse
-import datetime
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
+
+from _workers import init_rank, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 
-def _worker(rank, world, init_file, args, queue):
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    os.environ.setdefault("UCX_TLS", "self,sm,tcp")
-    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+def _worker(rank, world, init_file, queue, args):
+    gloo = init_rank(rank, world, init_file)
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
 
-    import torch_fsdp_ext  # noqa: F401
-    from tiny_transformer import TinyTransformer, batch_for
+    from tiny_transformer import TinyTransformer, batch_for, shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("fsdp_ext", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(minutes=10))
-    gloo = dist.new_group(backend="gloo")
     contenders = {"gloo": (gloo, False), "fsdp_ext": (dist.group.WORLD, False),
                   "fsdp_ext+alloc": (dist.group.WORLD, True)}
     models, optims = {}, {}
     for name, (group, allocate) in contenders.items():
-        mesh = DeviceMesh.from_group(group, "cpu")
         torch.manual_seed(0)
-        model = TinyTransformer(dim=args.dim, heads=8, layers=args.layers)
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        if allocate:
-            for module in model.modules():
-                if hasattr(module, "set_allocate_memory_from_process_group_for_comm"):
-                    module.set_allocate_memory_from_process_group_for_comm(True)
-        models[name] = model
-        optims[name] = torch.optim.SGD(model.parameters(), lr=0.01)
+        models[name] = shard(TinyTransformer(dim=args.dim, heads=8, layers=args.layers),
+                             DeviceMesh.from_group(group, "cpu"), allocate)
+        optims[name] = torch.optim.SGD(models[name].parameters(), lr=0.01)
     times = {name: [] for name in models}
     losses = {name: [] for name in models}
     for step in range(args.steps):
@@ -101,17 +84,7 @@ def main():
     parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results",
                                                            "fsdp_step.json"))
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, args.world_size, os.path.join(tmp, "init"),
-                                                   args, queue))
-                 for r in range(args.world_size)]
-        for p in procs:
-            p.start()
-        result = queue.get(timeout=3600)
-        for p in procs:
-            p.join()
+    result = run_ranks(args.world_size, _worker, args)
     steady = args.steps // 3
     medians = {name: statistics.median(t[steady:]) for name, t in result["times"].items()}
     print(f"{result['params'] / 1e6:.2f}M parameters, {args.world_size} ranks, "

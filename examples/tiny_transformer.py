@@ -42,3 +42,19 @@ def batch_for(rank, step, batch=4, seq=32, vocab=256):
     start = torch.randint(0, vocab, (batch, 1), generator=g)
     tokens = (start + torch.arange(seq + 1)) % vocab
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def shard(model, mesh=None, allocate_from_group=False):
+    """Applies upstream fully_shard to each block and to the root (FSDP2's
+    usual wrapping). ``allocate_from_group`` turns on
+    set_allocate_memory_from_process_group_for_comm for every FSDP module."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if allocate_from_group:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_allocate_memory_from_process_group_for_comm(True)
+    return model

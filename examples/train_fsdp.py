@@ -13,12 +13,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
-
 import torch_fsdp_ext  # noqa: F401  (registers the fsdp_ext backend)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tiny_transformer import TinyTransformer, batch_for  # noqa: E402
+from tiny_transformer import TinyTransformer, batch_for, shard  # noqa: E402
 
 
 def main():
@@ -32,10 +30,7 @@ def main():
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = TinyTransformer(layers=args.layers)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    model = shard(TinyTransformer(layers=args.layers))
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())

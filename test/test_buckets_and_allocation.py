@@ -40,25 +40,32 @@ def run_fused(body):
             after["collective_sequences"] - before["collective_sequences"])
 
 
+def verify_gathered_bucket(n, rank, algorithm, device):
+    """A bucket of all_gather_into_tensor inside _coalescing_manager: without a
+    device, its fast path calls allgather_into_tensor_coalesced once; with
+    one, the ops queue between startCoalescing and endCoalescing. Either way
+    one fused op."""
+    outs = [torch.empty(k * n, dtype=dt) for k, dt in MEMBERS]
+    ins = [pattern(rank, k, dt) for k, dt in MEMBERS]
+
+    def gather():
+        with dist._coalescing_manager(device=device, async_ops=True) as cm:
+            for o, i in zip(outs, ins):
+                dist.all_gather_into_tensor(o, i)
+        cm.wait()
+
+    ops, sequences = run_fused(gather)
+    assert (ops, sequences) == (1, 1), (algorithm, device, ops, sequences)
+    for o, (k, dt) in zip(outs, MEMBERS):
+        expected = torch.cat([pattern(r, k, dt) for r in range(n)])
+        assert_equal(o, expected, f"coalesced all_gather {algorithm} device={device} {dt} k={k}")
+
+
 def check_coalesced_buckets(ctx):
     n, rank = ctx.world_size, ctx.rank
     for algorithm in forced_algorithms():
-        # all_gather_into_tensor: _coalescing_manager's fast path calls
-        # allgather_into_tensor_coalesced once for the whole bucket.
-        outs = [torch.empty(k * n, dtype=dt) for k, dt in MEMBERS]
-        ins = [pattern(rank, k, dt) for k, dt in MEMBERS]
-
-        def gather():
-            with dist._coalescing_manager(async_ops=True) as cm:
-                for o, i in zip(outs, ins):
-                    dist.all_gather_into_tensor(o, i)
-            cm.wait()
-
-        ops, sequences = run_fused(gather)
-        assert (ops, sequences) == (1, 1), (algorithm, ops, sequences)
-        for o, (k, dt) in zip(outs, MEMBERS):
-            expected = torch.cat([pattern(r, k, dt) for r in range(n)])
-            assert_equal(o, expected, f"coalesced all_gather {algorithm} {dt} k={k}")
+        verify_gathered_bucket(n, rank, algorithm, device=None)
+        verify_gathered_bucket(n, rank, algorithm, device=CPU)
 
         # reduce_scatter_tensor, mixed float dtypes, SUM and AVG.
         for op_name in ("SUM", "AVG"):
@@ -95,22 +102,6 @@ def check_coalesced_buckets(ctx):
             expected = expected_reduction([make_input(r, k, dt, "MAX") for r in range(n)],
                                           "MAX", dt, n)
             assert_equal(t, expected, f"coalesced all_reduce {algorithm} {dt} k={k}")
-
-        # Device-style coalescing (startCoalescing ... endCoalescing): the
-        # individual collectives queued in between fuse into one bucket too.
-        outs = [torch.empty(k * n, dtype=dt) for k, dt in MEMBERS]
-
-        def device_style():
-            with dist._coalescing_manager(device=CPU, async_ops=True) as cm:
-                for o, i in zip(outs, ins):
-                    dist.all_gather_into_tensor(o, i)
-            cm.wait()
-
-        ops, sequences = run_fused(device_style)
-        assert (ops, sequences) == (1, 1), (algorithm, ops, sequences)
-        for o, (k, dt) in zip(outs, MEMBERS):
-            assert_equal(o, torch.cat([pattern(r, k, dt) for r in range(n)]),
-                         f"start/endCoalescing all_gather {algorithm} {dt} k={k}")
 
 
 def check_group_allocation(ctx):

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from tiny_transformer import TinyTransformer, batch_for  # noqa: E402
+from tiny_transformer import TinyTransformer, batch_for, shard  # noqa: E402
 
 STEPS = 6
 
@@ -40,19 +40,18 @@ def check_ddp_parity(ctx):
     return results
 
 
-def check_fully_shard_parity(ctx):
+def _sharded_model(group, allocate_from_group=False):
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
 
+    torch.manual_seed(0)
+    return shard(TinyTransformer(layers=3), DeviceMesh.from_group(group, "cpu"),
+                 allocate_from_group)
+
+
+def check_fully_shard_parity(ctx):
     results = {}
     for name, group in (("fsdp_ext", dist.group.WORLD), ("gloo", ctx.gloo_group)):
-        mesh = DeviceMesh.from_group(group, "cpu")
-        torch.manual_seed(0)
-        model = TinyTransformer(layers=3)
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        results[name] = _train(model, ctx.rank)
+        results[name] = _train(_sharded_model(group), ctx.rank)
     torch.testing.assert_close(results["fsdp_ext"], results["gloo"], rtol=1e-5, atol=1e-6)
     assert results["fsdp_ext"][-1] < results["fsdp_ext"][0]
     return results
@@ -62,24 +61,13 @@ def check_fully_shard_with_group_allocation(ctx):
     """set_allocate_memory_from_process_group_for_comm(True) over fsdp_ext:
     same losses as without it (and as gloo), and the buffers really come
     from the group and are read by peers in place."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     results = {}
     for name, group, allocate in (("gloo", ctx.gloo_group, False),
                                   ("fsdp_ext", dist.group.WORLD, False),
                                   ("fsdp_ext+alloc", dist.group.WORLD, True)):
-        mesh = DeviceMesh.from_group(group, "cpu")
-        torch.manual_seed(0)
-        model = TinyTransformer(layers=3)
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = _sharded_model(group, allocate)
         if allocate:
-            for module in model.modules():
-                if hasattr(module, "set_allocate_memory_from_process_group_for_comm"):
-                    module.set_allocate_memory_from_process_group_for_comm(True)
             before = backend._pool_stats()
         results[name] = _train(model, ctx.rank)
     after = backend._pool_stats()

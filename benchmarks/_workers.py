@@ -1,0 +1,41 @@
+"""Process plumbing shared by the benchmarks: one spawned process per rank,
+an fsdp_ext default group plus a gloo group over the same ranks, and rank 0's
+result handed back to the parent."""
+
+import datetime
+import multiprocessing as mp
+import os
+import tempfile
+
+
+def init_rank(rank, world, init_file):
+    """Sets up one rank; returns the gloo group (fsdp_ext is the default group)."""
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("UCX_TLS", "self,sm,tcp")
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    import torch
+    import torch.distributed as dist
+
+    import torch_fsdp_ext  # noqa: F401  (registers the backend)
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fsdp_ext", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(minutes=10))
+    return dist.new_group(backend="gloo")
+
+
+def run_ranks(world, target, *args):
+    """Runs target(rank, world, init_file, queue, *args) on every rank and
+    returns what rank 0 put on the queue."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=target, args=(r, world, init_file, queue, *args))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        result = queue.get(timeout=3600)
+        for p in procs:
+            p.join()
+    return result

@@ -94,14 +94,16 @@ def check_meta_tensor(ctx):
     return message
 
 
-def check_mismatched_sizes_across_ranks(ctx):
+def check_mismatched_sizes_across_ranks(ctx, base, op):
     """Ranks disagreeing on sizes get an error, not corrupted memory."""
     n, rank = ctx.world_size, ctx.rank
     group = dist.new_group(timeout=datetime.timedelta(seconds=10))
-    numel = 4 + (1 if rank == 0 else 0)
+    numel = base + (1 if rank == 0 else 0)
     with pytest.raises(dist.DistBackendError) as info:
-        out = torch.empty(numel * n)
-        dist.all_gather_into_tensor(out, torch.ones(numel), group=group)
+        if op == "all_gather":
+            dist.all_gather_into_tensor(torch.empty(numel * n), torch.ones(numel), group=group)
+        else:
+            dist.reduce_scatter_tensor(torch.empty(numel), torch.ones(numel * n), group=group)
     dist.destroy_process_group(group)
     return str(info.value)
 
@@ -140,8 +142,17 @@ def test_meta_tensor_rejected(pool2):
 
 
 def test_size_mismatch_between_ranks(pool2):
-    messages = pool2.run(check_mismatched_sizes_across_ranks)
+    messages = pool2.run(check_mismatched_sizes_across_ranks, 4, "all_gather")
     assert any("differ between ranks" in m or "expected" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
+def test_size_mismatch_between_ranks_over_shared_memory(pool2, op):
+    """Above the shared-memory threshold the headers carry the sizes: every
+    rank names the peer whose size differs."""
+    messages = pool2.run(check_mismatched_sizes_across_ranks, 20000, op)
+    for rank, message in enumerate(messages):
+        assert "differ between ranks" in message and f"rank {1 - rank} has" in message, messages
 
 
 def test_timeout_names_missing_peer(pool2):

@@ -219,6 +219,24 @@ def check_buffer_outlives_its_python_reference(ctx):
         os.environ.pop("FSDP_EXT_ALLGATHER_ALGO")
 
 
+def check_buffer_outlives_its_group(ctx):
+    """A tensor from a group's pool stays valid after the group is destroyed
+    (the pool and its UCX registrations live as long as any of its tensors)."""
+    n, rank = ctx.world_size, ctx.rank
+    group = dist.new_group(backend="fsdp_ext")
+    be = group._get_backend(CPU)
+    kept = be.allocate_tensor(100000, dtype=torch.float32, device=CPU)
+    kept.fill_(float(rank))
+    out = torch.empty(100000 * n)
+    dist.all_gather_into_tensor(out, kept, group=group)
+    dist.destroy_process_group(group)
+    del be, group
+    kept.add_(1.0)  # still mapped and writable
+    assert torch.all(kept == rank + 1)
+    assert torch.equal(out, torch.arange(n, dtype=torch.float32).repeat_interleave(100000))
+    del kept  # returns to a pool whose group is gone: no crash
+
+
 def _open_fds():
     return len(os.listdir("/proc/self/fd"))
 
@@ -280,7 +298,8 @@ def test_coalesced_buckets(pool):
 
 
 @pytest.mark.parametrize("check", [check_group_allocation, check_allocation_errors,
-                                   check_buffer_outlives_its_python_reference],
+                                   check_buffer_outlives_its_python_reference,
+                                   check_buffer_outlives_its_group],
                          ids=lambda f: f.__name__.removeprefix("check_"))
 def test_allocation(pool, check):
     pool.run(check)

@@ -36,6 +36,12 @@ def pool4():
     return get_pool(4)
 
 
+@pytest.fixture
+def pool2_without_process_reads():
+    """Shared memory but no process_vm_readv, as on hosts that restrict ptrace."""
+    return get_pool(2, FSDP_EXT_PROCESS_READS="0")
+
+
 @pytest.fixture(params=[2, 3], ids=lambda n: f"ws{n}")
 def pool_without_shared_memory(request):
     """Ranks that keep to UCX messages (FSDP_EXT_SHARED_MEMORY=0), as across hosts."""

@@ -309,5 +309,25 @@ def test_no_leaks_over_1000_iterations(pool2):
     pool2.run(check_no_leaks_over_1000_iterations, timeout=300)
 
 
+def check_large_ordinary_tensors_staged(ctx):
+    """Without process_vm_readv, large ordinary tensors go through staging."""
+    n, rank = ctx.world_size, ctx.rank
+    be = backend()
+    stats = be._pool_stats()
+    assert be.shared_memory_enabled and not stats["process_reads_enabled"]
+    numel = 300000
+    out = torch.empty(numel * n)
+    dist.all_gather_into_tensor(out, pattern(rank, numel, torch.float32))
+    assert_equal(out, torch.cat([pattern(r, numel, torch.float32) for r in range(n)]),
+                 "all_gather of a large ordinary tensor, staged")
+    after = be._pool_stats()
+    assert after["pieces_staged"] > stats["pieces_staged"]
+    assert after["pieces_process_reads"] == stats["pieces_process_reads"] == 0
+
+
+def test_large_ordinary_tensors_staged_without_process_reads(pool2_without_process_reads):
+    pool2_without_process_reads.run(check_large_ordinary_tensors_staged)
+
+
 def test_without_shared_memory(pool_without_shared_memory):
     pool_without_shared_memory.run(check_without_shared_memory)

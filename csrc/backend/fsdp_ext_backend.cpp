@@ -94,7 +94,11 @@ bool shared_memory_wanted() {
 
 // Whether this rank can read every peer's ordinary memory with
 // process_vm_readv (needs ptrace permission: same uid, no Yama restriction).
+// FSDP_EXT_PROCESS_READS=0 turns it off (large ordinary tensors are then
+// staged in shared memory, as on hosts that refuse it).
 bool can_read_all_processes(const std::vector<PeerIdentity>& peers, int rank) {
+  const char* wanted = std::getenv("FSDP_EXT_PROCESS_READS");
+  if (wanted != nullptr && std::strcmp(wanted, "0") == 0) return false;
   for (int p = 0; p < static_cast<int>(peers.size()); ++p) {
     if (p == rank) continue;
     uint64_t value = 0;

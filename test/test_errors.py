@@ -108,14 +108,14 @@ def check_mismatched_sizes_across_ranks(ctx, base, op):
     return str(info.value)
 
 
-def check_timeout(ctx):
+def check_timeout(ctx, numel):
     """Only rank 0 enters the collective; it must fail within the timeout."""
     group = dist.new_group(timeout=datetime.timedelta(seconds=3))
     message = None
     if ctx.rank == 0:
         start = datetime.datetime.now()
         with pytest.raises(dist.DistBackendError) as info:
-            dist.all_reduce(torch.ones(8), group=group)
+            dist.all_reduce(torch.ones(numel), group=group)
         elapsed = (datetime.datetime.now() - start).total_seconds()
         message = str(info.value)
         assert "timed out" in message and "rank 1" in message and "all_reduce" in message, message
@@ -155,8 +155,9 @@ def test_size_mismatch_between_ranks_over_shared_memory(pool2, op):
         assert "differ between ranks" in message and f"rank {1 - rank} has" in message, messages
 
 
-def test_timeout_names_missing_peer(pool2):
-    pool2.run(check_timeout)
+@pytest.mark.parametrize("numel", [8, 100000], ids=["messages", "shared_memory"])
+def test_timeout_names_missing_peer(pool2, numel):
+    pool2.run(check_timeout, numel)
 
 
 def test_double_import_and_registration():

@@ -8,6 +8,7 @@
 
 #include "backend/fsdp_ext_backend.hpp"
 #include "comm/algorithm_selection.h"
+#include "fsdp/copy_kernels.hpp"
 
 namespace py = pybind11;
 using fsdp_ext::backend::FsdpExtBackend;
@@ -78,6 +79,18 @@ PYBIND11_MODULE(_C, m) {
       "The algorithm fsdp_ext picks for `op` on a message of `bytes` (the\n"
       "all-gather output / reduce-scatter input / buffer) in a group of `group_size`\n"
       "whose ranks do (or do not) share memory.");
+
+  // FSDP copy kernels (the first pieces of the C++ FSDP runtime; see
+  // csrc/fsdp/copy_kernels.hpp for the layouts).
+  m.def("_fsdp_all_gather_copy_in", &fsdp_ext::fsdp::all_gather_copy_in, py::arg("shards"),
+        py::arg("output"), py::arg("rank"), py::arg("world_size"),
+        "Copy every shard into this rank's chunk of the flat all-gather output; returns that chunk.");
+  m.def("_fsdp_all_gather_copy_out", &fsdp_ext::fsdp::all_gather_copy_out, py::arg("output"),
+        py::arg("split_sizes"), py::arg("world_size"), py::arg("outputs"),
+        "Copy the flat all-gather output into per-parameter (world_size x split) tensors.");
+  m.def("_fsdp_reduce_scatter_copy_in", &fsdp_ext::fsdp::reduce_scatter_copy_in,
+        py::arg("gradients"), py::arg("world_size"), py::arg("output"),
+        "Write gradients in the reduce-scatter input layout (torch._chunk_cat's).");
 
   m.def("_shutdown_all", &FsdpExtBackend::shutdown_all,
         py::call_guard<py::gil_scoped_release>(),

@@ -1,0 +1,92 @@
+"""The C++ FSDP copy kernels produce exactly upstream FSDP2's layouts: checked
+against the torch ops upstream uses (narrow + foreach copy for the all-gather
+copy-in, split_with_sizes_copy for the copy-out, _chunk_cat for the
+reduce-scatter input), for uneven dim-0 sizes, awkward shapes and dtypes."""
+
+import pytest
+import torch
+
+from torch_fsdp_ext import _C
+
+SHAPES = [(5, 3), (1,), (7,), (8191,), (4, 2, 3), (0, 4), (3, 1)]
+DTYPES = [torch.float32, torch.bfloat16, torch.int64]
+
+
+def values(shape, dtype, salt):
+    numel = 1
+    for size in shape:
+        numel *= size
+    return (torch.arange(numel) * 7 + salt).remainder(251).to(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_all_gather_copy_in_and_out_match_upstream(dtype, world_size):
+    for rank in range(world_size):
+        shards = [values(shape, dtype, salt=10 * i + rank) for i, shape in enumerate(SHAPES)]
+        splits = [s.numel() for s in shards]
+        total = sum(splits)
+        ours = torch.full((total * world_size,), -1).to(dtype)
+        chunk = _C._fsdp_all_gather_copy_in(shards, ours, rank, world_size)
+        expected = torch.full((total * world_size,), -1).to(dtype)
+        upstream_input = expected.narrow(0, total * rank, total)
+        torch._foreach_copy_(list(torch.split(upstream_input, splits)),
+                             [s.reshape(-1) for s in shards])
+        assert torch.equal(ours, expected)
+        assert chunk.data_ptr() == ours.data_ptr() + total * rank * ours.element_size()
+    # Copy-out of a full all-gather output (every rank's chunk filled).
+    gathered = values((sum(s.numel() for s in shards) * world_size,), dtype, salt=3)
+    outs = [torch.empty(world_size, n, dtype=dtype) for n in splits]
+    _C._fsdp_all_gather_copy_out(gathered, splits, world_size, outs)
+    expected = [torch.empty(world_size, n, dtype=dtype) for n in splits]
+    torch.split_with_sizes_copy(gathered.view(world_size, -1), splits, dim=1, out=expected)
+    for mine, theirs in zip(outs, expected):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_reduce_scatter_copy_in_matches_chunk_cat(dtype, world_size):
+    # torch._chunk_cat rejects empty tensors, so the reference case leaves them out.
+    grads = [values(shape, dtype, salt=i) for i, shape in enumerate(SHAPES) if 0 not in shape]
+    row = sum(_padded_chunk(g.shape, world_size) for g in grads)
+    ours = torch.full((world_size * row,), -1).to(dtype)
+    _C._fsdp_reduce_scatter_copy_in(grads, world_size, ours)
+    expected = torch.empty(world_size, row, dtype=dtype)
+    torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=expected)
+    assert torch.equal(ours.view(world_size, row), expected)
+
+
+def test_reduce_scatter_copy_in_of_an_empty_gradient_is_empty():
+    out = torch.full((4,), 7.0)
+    _C._fsdp_reduce_scatter_copy_in([torch.empty(0, 4), torch.ones(2)], 4, out)
+    assert torch.equal(out, torch.tensor([1.0, 1.0, 0.0, 0.0]))
+
+
+def _padded_chunk(shape, world_size):
+    rows = -(-shape[0] // world_size)
+    numel = rows
+    for size in shape[1:]:
+        numel *= size
+    return numel
+
+
+def test_bad_input_is_a_clear_error():
+    shards = [torch.ones(3), torch.ones(2)]
+    with pytest.raises(ValueError, match="all_gather_copy_in: the output has 9 elements"):
+        _C._fsdp_all_gather_copy_in(shards, torch.empty(9), 0, 2)
+    with pytest.raises(ValueError, match="rank 2 is outside"):
+        _C._fsdp_all_gather_copy_in(shards, torch.empty(10), 2, 2)
+    with pytest.raises(TypeError, match="shard 1 has dtype"):
+        _C._fsdp_all_gather_copy_in([torch.ones(3), torch.ones(2, dtype=torch.int32)],
+                                    torch.empty(10), 0, 2)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        _C._fsdp_all_gather_copy_in([torch.ones(4, 4).t()], torch.empty(32), 0, 2)
+    with pytest.raises(ValueError, match="output 0 has 5 elements, expected 6"):
+        _C._fsdp_all_gather_copy_out(torch.empty(10), [3, 2], 2, [torch.empty(5), torch.empty(4)])
+    with pytest.raises(ValueError, match="reduce_scatter_copy_in: the output has 4 elements"):
+        _C._fsdp_reduce_scatter_copy_in([torch.ones(5)], 2, torch.empty(4))
+    with pytest.raises(ValueError, match="0-dim"):
+        _C._fsdp_reduce_scatter_copy_in([torch.tensor(1.0)], 2, torch.empty(2))
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        _C._fsdp_reduce_scatter_copy_in([torch.ones(2)], 0, torch.empty(2))

@@ -8,6 +8,7 @@ peers, no staging copy), data, lifetime while an op is in flight, and leaks
 over 1000 allocate/collective/free iterations.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -21,6 +22,17 @@ CPU = torch.device("cpu")
 # (elements per rank, dtype): awkward sizes, an empty member, mixed dtypes.
 MEMBERS = [(1, torch.float32), (0, torch.bfloat16), (3, torch.int64), (8191, torch.float16),
            (70000, torch.float32), (5, torch.uint8)]
+
+
+@contextlib.contextmanager
+def forced(**variables):
+    """Forces algorithms (FSDP_EXT_*_ALGO) for the ops inside the block."""
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name in variables:
+            os.environ.pop(name, None)
 
 
 def backend():
@@ -117,11 +129,8 @@ def check_group_allocation(ctx):
             inp = out.narrow(0, rank * numel, numel)
             inp.copy_(pattern(rank, numel, dt))
             before = be._pool_stats()
-            os.environ["FSDP_EXT_ALLGATHER_ALGO"] = "shm"
-            try:
+            with forced(FSDP_EXT_ALLGATHER_ALGO="shm"):
                 dist.all_gather_into_tensor(out, inp)
-            finally:
-                os.environ.pop("FSDP_EXT_ALLGATHER_ALGO")
             after = be._pool_stats()
             expected = torch.cat([pattern(r, numel, dt) for r in range(n)])
             assert_equal(out, expected, f"all_gather from group buffer {dt} n={numel}")
@@ -134,11 +143,8 @@ def check_group_allocation(ctx):
             full.copy_(make_input(rank, numel * n, dt, "SUM"))
             shard = torch.empty(numel, dtype=dt)
             before = be._pool_stats()
-            os.environ["FSDP_EXT_REDUCE_SCATTER_ALGO"] = "shm"
-            try:
+            with forced(FSDP_EXT_REDUCE_SCATTER_ALGO="shm"):
                 dist.reduce_scatter_tensor(shard, full)
-            finally:
-                os.environ.pop("FSDP_EXT_REDUCE_SCATTER_ALGO")
             after = be._pool_stats()
             whole = expected_reduction([make_input(r, numel * n, dt, "SUM") for r in range(n)],
                                        "SUM", dt, n)
@@ -148,12 +154,9 @@ def check_group_allocation(ctx):
                 assert after["pieces_staged"] == before["pieces_staged"], (before, after)
     # Ordinary tensors on the same path are staged (one copy) and still correct.
     before = be._pool_stats()
-    os.environ["FSDP_EXT_ALLGATHER_ALGO"] = "shm"
-    try:
-        out = torch.empty(1000 * n)
+    out = torch.empty(1000 * n)
+    with forced(FSDP_EXT_ALLGATHER_ALGO="shm"):
         dist.all_gather_into_tensor(out, torch.full((1000,), float(rank)))
-    finally:
-        os.environ.pop("FSDP_EXT_ALLGATHER_ALGO")
     assert torch.equal(out, torch.arange(n, dtype=torch.float32).repeat_interleave(1000))
     if n > 1:
         assert be._pool_stats()["pieces_staged"] > before["pieces_staged"]
@@ -161,16 +164,11 @@ def check_group_allocation(ctx):
     # host allows it (one copy), else staged.
     numel = 300000  # 1.2 MB per rank
     before = be._pool_stats()
-    os.environ["FSDP_EXT_ALLGATHER_ALGO"] = "shm"
-    os.environ["FSDP_EXT_BROADCAST_ALGO"] = "shm"
-    try:
-        out = torch.empty(numel * n)
+    out = torch.empty(numel * n)
+    data = pattern(rank, numel, torch.float32)
+    with forced(FSDP_EXT_ALLGATHER_ALGO="shm", FSDP_EXT_BROADCAST_ALGO="shm"):
         dist.all_gather_into_tensor(out, pattern(rank, numel, torch.float32))
-        data = pattern(rank, numel, torch.float32)
         dist.broadcast(data, src=n - 1)
-    finally:
-        os.environ.pop("FSDP_EXT_ALLGATHER_ALGO")
-        os.environ.pop("FSDP_EXT_BROADCAST_ALGO")
     assert_equal(out, torch.cat([pattern(r, numel, torch.float32) for r in range(n)]),
                  "all_gather of a large ordinary tensor")
     assert_equal(data, pattern(n - 1, numel, torch.float32), "broadcast of a large ordinary tensor")
@@ -196,8 +194,7 @@ def check_buffer_outlives_its_python_reference(ctx):
     n, rank = ctx.world_size, ctx.rank
     be = backend()
     numel = 1 << 18
-    os.environ["FSDP_EXT_ALLGATHER_ALGO"] = "shm"
-    try:
+    with forced(FSDP_EXT_ALLGATHER_ALGO="shm"):
         for _ in range(20):
             out = torch.empty(numel * n)
             inp = be.allocate_tensor(numel, dtype=torch.float32, device=CPU)
@@ -215,8 +212,6 @@ def check_buffer_outlives_its_python_reference(ctx):
             assert torch.equal(out, expected)
             del other
             assert be._pool_stats()["in_use"] == in_use - 1
-    finally:
-        os.environ.pop("FSDP_EXT_ALLGATHER_ALGO")
 
 
 def check_buffer_outlives_its_group(ctx):

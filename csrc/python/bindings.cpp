@@ -9,6 +9,7 @@
 #include "backend/fsdp_ext_backend.hpp"
 #include "comm/algorithm_selection.h"
 #include "fsdp/copy_kernels.hpp"
+#include "fsdp/group_collectives.hpp"
 
 namespace py = pybind11;
 using fsdp_ext::backend::FsdpExtBackend;
@@ -91,6 +92,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("_fsdp_reduce_scatter_copy_in", &fsdp_ext::fsdp::reduce_scatter_copy_in,
         py::arg("gradients"), py::arg("world_size"), py::arg("output"),
         "Write gradients in the reduce-scatter input layout (torch._chunk_cat's).");
+
+  m.def("_fsdp_all_gather_group", &fsdp_ext::fsdp::all_gather_group, py::arg("shards"),
+        py::arg("padded_unsharded"), py::arg("group"), py::call_guard<py::gil_scoped_release>(),
+        "Unshard a parameter group: copy-in, one flat all-gather through the group, copy-out.");
+  m.def("_fsdp_reduce_scatter_group", &fsdp_ext::fsdp::reduce_scatter_group,
+        py::arg("gradients"), py::arg("sharded"), py::arg("group"), py::arg("divide_factor"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Reduce a group's gradients: reduce-scatter layout, one flat reduce-scatter, copy-out.");
 
   m.def("_shutdown_all", &FsdpExtBackend::shutdown_all,
         py::call_guard<py::gil_scoped_release>(),

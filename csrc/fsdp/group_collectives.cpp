@@ -1,0 +1,91 @@
+#include "fsdp/group_collectives.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <cstring>
+#include <string>
+
+#include "fsdp/copy_kernels.hpp"
+
+namespace fsdp_ext::fsdp {
+namespace {
+
+// _allgather_base / _reduce_scatter_base are deprecated aliases in newer
+// torch but the only names every torch 2.x has; they dispatch the same op.
+c10::intrusive_ptr<c10d::Work> flat_all_gather(c10d::ProcessGroup& group, at::Tensor& output,
+                                               at::Tensor& input) {
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  return group._allgather_base(output, input);
+#pragma GCC diagnostic pop
+}
+
+c10::intrusive_ptr<c10d::Work> flat_reduce_scatter(c10d::ProcessGroup& group, at::Tensor& output,
+                                                   at::Tensor& input) {
+  c10d::ReduceScatterOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  return group._reduce_scatter_base(output, input, options);
+#pragma GCC diagnostic pop
+}
+
+at::ScalarType common_dtype(const char* what, const std::vector<at::Tensor>& tensors) {
+  TORCH_CHECK_VALUE(!tensors.empty(), "fsdp_ext ", what, ": the group has no tensors");
+  return tensors.front().scalar_type();
+}
+
+}  // namespace
+
+void all_gather_group(const std::vector<at::Tensor>& shards,
+                      const std::vector<at::Tensor>& padded_unsharded,
+                      const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  const at::ScalarType dtype = common_dtype("all_gather_group", shards);
+  TORCH_CHECK_VALUE(shards.size() == padded_unsharded.size(), "fsdp_ext all_gather_group: ",
+                    shards.size(), " shards but ", padded_unsharded.size(), " outputs");
+  const int64_t world = group->getSize();
+  std::vector<int64_t> splits;
+  int64_t input_numel = 0;
+  for (const at::Tensor& shard : shards) {
+    splits.push_back(shard.numel());
+    input_numel += shard.numel();
+  }
+  at::Tensor output = at::empty({input_numel * world}, at::TensorOptions().dtype(dtype));
+  at::Tensor input = all_gather_copy_in(shards, output, group->getRank(), world);
+  flat_all_gather(*group, output, input)->wait();
+  all_gather_copy_out(output, splits, world, padded_unsharded);
+}
+
+void reduce_scatter_group(const std::vector<at::Tensor>& gradients,
+                          const std::vector<at::Tensor>& sharded,
+                          const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                          double divide_factor) {
+  const at::ScalarType dtype = common_dtype("reduce_scatter_group", gradients);
+  TORCH_CHECK_VALUE(gradients.size() == sharded.size(), "fsdp_ext reduce_scatter_group: ",
+                    gradients.size(), " gradients but ", sharded.size(), " sharded outputs");
+  TORCH_CHECK_VALUE(divide_factor > 0, "fsdp_ext reduce_scatter_group: divide_factor must be "
+                    "> 0, got ", divide_factor);
+  const int64_t world = group->getSize();
+  int64_t row_numel = 0;
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    const int64_t chunk = padded_chunk_numel(gradients[i].sizes(), world);
+    TORCH_CHECK_VALUE(sharded[i].numel() == chunk && sharded[i].is_contiguous() &&
+                          sharded[i].scalar_type() == dtype,
+                      "fsdp_ext reduce_scatter_group: sharded output ", i,
+                      " must be a contiguous ", dtype, " tensor of ", chunk, " elements");
+    row_numel += chunk;
+  }
+  const auto options = at::TensorOptions().dtype(dtype);
+  at::Tensor input = at::empty({row_numel * world}, options);
+  reduce_scatter_copy_in(gradients, world, input);
+  at::Tensor output = at::empty({row_numel}, options);
+  flat_reduce_scatter(*group, output, input)->wait();
+  if (divide_factor != 1.0) output.div_(divide_factor);
+  const char* cursor = static_cast<const char*>(output.data_ptr());
+  for (const at::Tensor& shard : sharded) {
+    if (shard.nbytes() != 0) std::memcpy(shard.data_ptr(), cursor, shard.nbytes());
+    cursor += shard.nbytes();
+  }
+}
+
+}  // namespace fsdp_ext::fsdp

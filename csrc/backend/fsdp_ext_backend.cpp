@@ -158,7 +158,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   try {
     auto transport = std::make_unique<comm::Transport>(rank, size);
     pool_ = std::make_shared<comm::SharedBufferPool>(transport->context());
-    shared_memory_ = std::make_shared<comm::SharedMemoryDomain>(rank, pool_);
+    shared_memory_ = std::make_shared<comm::SharedMemoryDomain>(pool_);
     PeerIdentity mine{transport->worker_address(), this_host(), getpid(),
                       shared_memory_->probe_piece(),
                       reinterpret_cast<uint64_t>(&kProcessReadProbeValue)};

@@ -14,8 +14,8 @@ namespace {
 constexpr size_t kInitialStagingBytes = 64 << 10;
 }  // namespace
 
-SharedMemoryDomain::SharedMemoryDomain(int rank, std::shared_ptr<SharedBufferPool> pool)
-    : rank_(rank), pool_(std::move(pool)) {
+SharedMemoryDomain::SharedMemoryDomain(std::shared_ptr<SharedBufferPool> pool)
+    : pool_(std::move(pool)) {
   for (StagingSlot& slot : staging_) {
     slot.id = pool_->next_segment_id();
     slot.memory = SharedMemorySegment::create(kInitialStagingBytes, "fsdp_ext-staging");

@@ -56,13 +56,9 @@ class SharedMemoryDomain {
  public:
   static constexpr int kStagingSlots = 2;
 
-  SharedMemoryDomain(int rank, std::shared_ptr<SharedBufferPool> pool);
+  explicit SharedMemoryDomain(std::shared_ptr<SharedBufferPool> pool);
   SharedMemoryDomain(const SharedMemoryDomain&) = delete;
   SharedMemoryDomain& operator=(const SharedMemoryDomain&) = delete;
-
-  int rank() const { return rank_; }
-  SharedBufferPool& pool() { return *pool_; }
-  const std::shared_ptr<SharedBufferPool>& shared_pool() const { return pool_; }
 
   bool enabled() const { return enabled_.load(std::memory_order_acquire); }
   // Set once at init, after the ranks agreed (see the backend).
@@ -113,7 +109,6 @@ class SharedMemoryDomain {
   };
   const char* map_peer_with_pid(int peer, pid_t pid, const SharedPiece& piece);
 
-  int rank_;
   std::shared_ptr<SharedBufferPool> pool_;
   std::atomic<bool> enabled_{false};
   std::vector<pid_t> peer_pids_;

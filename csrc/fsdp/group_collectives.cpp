@@ -2,7 +2,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <cstring>
 #include <string>
 
 #include "fsdp/copy_kernels.hpp"
@@ -67,8 +66,10 @@ void reduce_scatter_group(const std::vector<at::Tensor>& gradients,
                     "> 0, got ", divide_factor);
   const int64_t world = group->getSize();
   int64_t row_numel = 0;
+  std::vector<int64_t> chunks;
   for (size_t i = 0; i < gradients.size(); ++i) {
     const int64_t chunk = padded_chunk_numel(gradients[i].sizes(), world);
+    chunks.push_back(chunk);
     TORCH_CHECK_VALUE(sharded[i].numel() == chunk && sharded[i].is_contiguous() &&
                           sharded[i].scalar_type() == dtype,
                       "fsdp_ext reduce_scatter_group: sharded output ", i,
@@ -81,11 +82,9 @@ void reduce_scatter_group(const std::vector<at::Tensor>& gradients,
   at::Tensor output = at::empty({row_numel}, options);
   flat_reduce_scatter(*group, output, input)->wait();
   if (divide_factor != 1.0) output.div_(divide_factor);
-  const char* cursor = static_cast<const char*>(output.data_ptr());
-  for (const at::Tensor& shard : sharded) {
-    if (shard.nbytes() != 0) std::memcpy(shard.data_ptr(), cursor, shard.nbytes());
-    cursor += shard.nbytes();
-  }
+  // This rank's row holds the gradients' chunks back to back: the all-gather
+  // copy-out with one rank splits it into the sharded outputs.
+  all_gather_copy_out(output, chunks, 1, sharded);
 }
 
 }  // namespace fsdp_ext::fsdp

@@ -1,8 +1,10 @@
-"""torch_fsdp_ext: the ``fsdp_ext`` c10d backend.
+"""torch_fsdp_ext: the ``fsdp_ext`` c10d backend and our FSDP2.
 
 ``import torch_fsdp_ext`` registers the backend, after which
 ``torch.distributed.init_process_group("fsdp_ext")`` runs CPU collectives over
 UCX (shared memory on one host, TCP/RDMA across hosts).
+``from torch_fsdp_ext import fully_shard`` is a drop-in for
+``torch.distributed.fsdp.fully_shard`` over any backend.
 """
 
 import torch
@@ -13,5 +15,33 @@ from ._registration import BACKEND_NAME, register_backend  # noqa: E402
 
 register_backend()
 
-__all__ = ["BACKEND_NAME", "register_backend"]
+from .fsdp import (  # noqa: E402
+    CPUOffloadPolicy,
+    FSDPEvent,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardedState,
+    TrainingState,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    trace_fsdp_events,
+)
+
+__all__ = [
+    "BACKEND_NAME",
+    "CPUOffloadPolicy",
+    "FSDPEvent",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "ShardedState",
+    "TrainingState",
+    "UnshardHandle",
+    "fully_shard",
+    "register_backend",
+    "register_fsdp_forward_method",
+    "trace_fsdp_events",
+]
 __version__ = "0.1.0"

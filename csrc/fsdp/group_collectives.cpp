@@ -1,17 +1,17 @@
 #include "fsdp/group_collectives.hpp"
 
 #include <c10/util/Exception.h>
+#include <pybind11/pybind11.h>
 
 #include <string>
 
 #include "fsdp/copy_kernels.hpp"
 
 namespace fsdp_ext::fsdp {
-namespace {
 
 // _allgather_base / _reduce_scatter_base are deprecated aliases in newer
 // torch but the only names every torch 2.x has; they dispatch the same op.
-c10::intrusive_ptr<c10d::Work> flat_all_gather(c10d::ProcessGroup& group, at::Tensor& output,
+c10::intrusive_ptr<c10d::Work> all_gather_flat(c10d::ProcessGroup& group, at::Tensor& output,
                                                at::Tensor& input) {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
@@ -19,7 +19,7 @@ c10::intrusive_ptr<c10d::Work> flat_all_gather(c10d::ProcessGroup& group, at::Te
 #pragma GCC diagnostic pop
 }
 
-c10::intrusive_ptr<c10d::Work> flat_reduce_scatter(c10d::ProcessGroup& group, at::Tensor& output,
+c10::intrusive_ptr<c10d::Work> reduce_scatter_flat(c10d::ProcessGroup& group, at::Tensor& output,
                                                    at::Tensor& input) {
   c10d::ReduceScatterOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
@@ -28,6 +28,17 @@ c10::intrusive_ptr<c10d::Work> flat_reduce_scatter(c10d::ProcessGroup& group, at
   return group._reduce_scatter_base(output, input, options);
 #pragma GCC diagnostic pop
 }
+
+void wait_releasing_gil(const c10::intrusive_ptr<c10d::Work>& work) {
+  if (PyGILState_Check()) {
+    pybind11::gil_scoped_release no_gil;
+    work->wait();
+  } else {
+    work->wait();
+  }
+}
+
+namespace {
 
 at::ScalarType common_dtype(const char* what, const std::vector<at::Tensor>& tensors) {
   TORCH_CHECK_VALUE(!tensors.empty(), "fsdp_ext ", what, ": the group has no tensors");
@@ -51,7 +62,7 @@ void all_gather_group(const std::vector<at::Tensor>& shards,
   }
   at::Tensor output = at::empty({input_numel * world}, at::TensorOptions().dtype(dtype));
   at::Tensor input = all_gather_copy_in(shards, output, group->getRank(), world);
-  flat_all_gather(*group, output, input)->wait();
+  all_gather_flat(*group, output, input)->wait();
   all_gather_copy_out(output, splits, world, padded_unsharded);
 }
 
@@ -80,7 +91,7 @@ void reduce_scatter_group(const std::vector<at::Tensor>& gradients,
   at::Tensor input = at::empty({row_numel * world}, options);
   reduce_scatter_copy_in(gradients, world, input);
   at::Tensor output = at::empty({row_numel}, options);
-  flat_reduce_scatter(*group, output, input)->wait();
+  reduce_scatter_flat(*group, output, input)->wait();
   if (divide_factor != 1.0) output.div_(divide_factor);
   // This rank's row holds the gradients' chunks back to back: the all-gather
   // copy-out with one rank splits it into the sharded outputs.

@@ -11,6 +11,18 @@
 
 namespace fsdp_ext::fsdp {
 
+// One flat all_gather_into_tensor / reduce_scatter_tensor (SUM) through the
+// c10d ProcessGroup API, returned un-waited.
+c10::intrusive_ptr<c10d::Work> all_gather_flat(c10d::ProcessGroup& group, at::Tensor& output,
+                                               at::Tensor& input);
+c10::intrusive_ptr<c10d::Work> reduce_scatter_flat(c10d::ProcessGroup& group, at::Tensor& output,
+                                                   at::Tensor& input);
+
+// Work::wait() with the GIL released when the caller holds it: a backend
+// thread that finishes an op may need the GIL (e.g. to free a tensor whose
+// Python object it holds the last reference to), and must not wait for us.
+void wait_releasing_gil(const c10::intrusive_ptr<c10d::Work>& work);
+
 // Unshard: all-gathers every rank's padded local shards (shards[i], shapes
 // equal on all ranks) into padded_unsharded[i], which holds world_size
 // shards of shards[i] along dim 0 (world_size * shards[i].numel() elements).

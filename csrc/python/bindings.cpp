@@ -14,6 +14,10 @@
 namespace py = pybind11;
 using fsdp_ext::backend::FsdpExtBackend;
 
+namespace fsdp_ext::python {
+void bind_fsdp_runtime(py::module_& m);  // fsdp_bindings.cpp
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fsdp_ext c10d backend (UCX for CPU tensors)";
   // The c10d.Backend base class is registered by torch.distributed.
@@ -104,4 +108,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("_shutdown_all", &FsdpExtBackend::shutdown_all,
         py::call_guard<py::gil_scoped_release>(),
         "Shut down every live fsdp_ext backend (called at interpreter exit).");
+  fsdp_ext::python::bind_fsdp_runtime(m);
 }

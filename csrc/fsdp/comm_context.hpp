@@ -1,0 +1,52 @@
+// State shared by every FSDP group under one root (upstream's FSDPCommContext
+// plus the reduce-scatters still in flight). CPU tensors need no streams:
+// collectives are issued asynchronously and waited where their result is
+// first needed, so an all-gather prefetch or a gradient reduce-scatter runs on
+// the backend's progress thread while the next module computes.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <deque>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "fsdp/training_state.hpp"  // FSDP_EXT_HIDDEN
+
+namespace fsdp_ext::fsdp {
+
+class FsdpParam;
+class FsdpParamGroup;
+
+// A group's reduce-scatter in flight: once `work` completes, `output` holds
+// this rank's chunk of every gradient back to back (padded chunk sizes).
+struct PendingReduce {
+  std::vector<std::shared_ptr<FsdpParam>> params;
+  at::Tensor input;   // kept alive until the collective completes
+  at::Tensor output;
+  c10::intrusive_ptr<c10d::Work> work;
+  std::optional<double> post_divide;
+};
+
+class FSDP_EXT_HIDDEN FsdpCommContext {
+ public:
+  // Groups in the order their forward finished, once per use; backward
+  // prefetches the entry before the current group's.
+  std::vector<std::weak_ptr<FsdpParamGroup>> post_forward_order;
+
+  void add_reduce(PendingReduce reduce) { reduces_.push_back(std::move(reduce)); }
+  // Completes the oldest reduce-scatters until at most `keep` remain in
+  // flight: waits, divides, and accumulates into the sharded gradients.
+  void finish_reduces(size_t keep = 0);
+  // Waits for every in-flight reduce-scatter and discards its result
+  // (reset after a failed iteration).
+  void drop_reduces();
+  size_t reduces_in_flight() const { return reduces_.size(); }
+
+ private:
+  std::deque<PendingReduce> reduces_;
+};
+
+}  // namespace fsdp_ext::fsdp

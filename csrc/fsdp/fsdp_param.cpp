@@ -1,0 +1,211 @@
+#include "fsdp/fsdp_param.hpp"
+
+#include <c10/core/StorageImpl.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace fsdp_ext::fsdp {
+namespace {
+
+// Python callables the runtime needs on the per-step path, looked up once.
+// Leaked on purpose (see event_trace.cpp).
+const py::object& dtensor_class() {
+  static py::object* cls =
+      new py::object(py::module_::import("torch.distributed.tensor").attr("DTensor"));
+  return *cls;
+}
+
+const py::object& parameter_class() {
+  static py::object* cls = new py::object(py::module_::import("torch.nn").attr("Parameter"));
+  return *cls;
+}
+
+py::object make_dtensor(const at::Tensor& local, const py::object& spec) {
+  return dtensor_class()(local, spec, py::arg("requires_grad") = false);
+}
+
+at::Tensor unpack(const py::object& tensor) { return THPVariable_Unpack(tensor.ptr()); }
+
+std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> strides(sizes.size(), 1);
+  for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d) {
+    strides[d] = strides[d + 1] * std::max<int64_t>(sizes[d + 1], 1);
+  }
+  return strides;
+}
+
+// Storage is released and re-allocated in place, so every view of it (the
+// unsharded parameter, tensors autograd saved in forward) sees the new bytes.
+void release_storage(const at::Tensor& tensor) {
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() == 0) return;
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
+  storage->set_nbytes(0);
+}
+
+void allocate_storage(const at::Tensor& tensor) {
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
+  if (storage->nbytes() == bytes) return;
+  TORCH_INTERNAL_ASSERT(storage->allocator() != nullptr,
+                        "fsdp_ext: all-gather output storage has no allocator");
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
+}
+
+}  // namespace
+
+FsdpParam::FsdpParam(std::string fqn, std::vector<ModuleSlot> slots, py::object sharded_param,
+                     at::Tensor padded_sharded_data, std::vector<int64_t> orig_size,
+                     std::vector<int64_t> sharded_size, int64_t shard_world_size)
+    : fqn_(std::move(fqn)),
+      slots_(std::move(slots)),
+      orig_size_(std::move(orig_size)),
+      sharded_size_(std::move(sharded_size)),
+      shard_world_size_(shard_world_size),
+      sharded_param_(std::move(sharded_param)),
+      padded_sharded_data_(std::move(padded_sharded_data)) {
+  TORCH_CHECK_VALUE(!slots_.empty(), "fsdp_ext FsdpParam ", fqn_, ": no module holds it");
+  TORCH_CHECK_VALUE(padded_sharded_data_.dim() == 1, "fsdp_ext FsdpParam ", fqn_,
+                    ": padded sharded data must be 1-D");
+  sharded_tensor_ = unpack(sharded_param_);
+  spec_ = sharded_param_.attr("_spec");
+  register_on_modules(sharded_param_);
+}
+
+void FsdpParam::register_on_modules(const py::object& param) {
+  for (const ModuleSlot& slot : slots_) {
+    if (slot.plain_dict_write) {
+      if (PyDict_SetItem(slot.parameters.ptr(), slot.name.ptr(), param.ptr()) != 0) {
+        throw py::error_already_set();
+      }
+    } else {
+      py::setattr(slot.module, slot.name, param);
+    }
+  }
+}
+
+void FsdpParam::to_sharded() {
+  register_on_modules(sharded_param_);
+  release_unsharded_storage();
+  post_forward_param_ = py::object();
+  post_forward_data_ = at::Tensor();
+  state_ = ShardedState::kSharded;
+}
+
+void FsdpParam::to_sharded_post_forward(int64_t rank, int64_t world, const py::object& spec) {
+  TORCH_CHECK(state_ == ShardedState::kUnsharded, "fsdp_ext ", fqn_,
+              ": resharding to the post-forward mesh needs unsharded parameters");
+  const int64_t numel = all_gather_output_.numel();
+  TORCH_CHECK(numel % world == 0, "fsdp_ext ", fqn_, ": all-gather output of ", numel,
+              " elements does not split over ", world, " post-forward ranks");
+  const int64_t chunk = numel / world;
+  post_forward_data_ = all_gather_output_.narrow(0, chunk * rank, chunk).clone();
+  // This rank's dim-0 chunk of the original shape over `world` ranks.
+  std::vector<int64_t> size = orig_size_;
+  const int64_t rows = (orig_size_[0] + world - 1) / world;
+  size[0] = std::max<int64_t>(0, std::min(rows, orig_size_[0] - rows * rank));
+  at::Tensor local = post_forward_data_.as_strided(size, contiguous_strides(size), 0);
+  post_forward_param_ = parameter_class()(make_dtensor(local, spec),
+                                          py::arg("requires_grad") = requires_grad());
+  register_on_modules(post_forward_param_);
+  release_unsharded_storage();
+  state_ = ShardedState::kShardedPostForward;
+}
+
+void FsdpParam::to_unsharded() {
+  TORCH_CHECK(unsharded_tensor_.defined(), "fsdp_ext ", fqn_,
+              ": to_unsharded before the unsharded parameter exists");
+  if (unsharded_tensor_.requires_grad() != requires_grad()) {
+    unsharded_tensor_.set_requires_grad(requires_grad());
+  }
+  register_on_modules(unsharded_param_);
+  post_forward_param_ = py::object();
+  post_forward_data_ = at::Tensor();
+  state_ = ShardedState::kUnsharded;
+}
+
+const at::Tensor& FsdpParam::all_gather_input() const {
+  return state_ == ShardedState::kShardedPostForward ? post_forward_data_ : padded_sharded_data_;
+}
+
+const at::Tensor& FsdpParam::allocated_all_gather_output() {
+  if (!all_gather_output_.defined()) {
+    all_gather_output_ =
+        at::empty({padded_sharded_data_.numel() * shard_world_size_}, padded_sharded_data_.options());
+  } else {
+    allocate_storage(all_gather_output_);
+  }
+  return all_gather_output_;
+}
+
+void FsdpParam::init_unsharded_param() {
+  if (unsharded_tensor_.defined()) return;
+  TORCH_CHECK(all_gather_output_.defined(), "fsdp_ext ", fqn_,
+              ": init_unsharded_param before the first all-gather");
+  at::Tensor view = all_gather_output_.as_strided(orig_size_, contiguous_strides(orig_size_), 0);
+  unsharded_param_ = parameter_class()(view, py::arg("requires_grad") = requires_grad());
+  unsharded_tensor_ = unpack(unsharded_param_);
+}
+
+void FsdpParam::release_unsharded_storage() {
+  if (all_gather_output_.defined()) release_storage(all_gather_output_);
+}
+
+at::Tensor FsdpParam::take_unsharded_grad() {
+  if (!unsharded_tensor_.defined()) return at::Tensor();
+  at::Tensor& grad = unsharded_tensor_.mutable_grad();
+  at::Tensor taken = std::move(grad);
+  grad = at::Tensor();
+  return taken;
+}
+
+void FsdpParam::accumulate_sharded_grad(const at::Tensor& shard) {
+  at::Tensor& grad = sharded_tensor_.mutable_grad();
+  if (grad.defined()) {
+    py::object existing = py::reinterpret_steal<py::object>(THPVariable_Wrap(grad));
+    unpack(existing.attr("_local_tensor")).add_(shard);
+  } else {
+    grad = unpack(make_dtensor(shard, spec_));
+  }
+  py::object hooks = sharded_param_.attr("_post_accumulate_grad_hooks");
+  if (!hooks.is_none()) {
+    for (auto hook : py::reinterpret_borrow<py::dict>(hooks)) {
+      py::reinterpret_borrow<py::object>(hook.second)(sharded_param_);
+    }
+  }
+}
+
+void FsdpParam::reset_sharded_param() {
+  const ModuleSlot& owner = slots_.front();
+  py::object param = py::reinterpret_borrow<py::dict>(owner.parameters)[owner.name];
+  if (!param.is(sharded_param_)) {
+    sharded_param_ = param;
+    sharded_tensor_ = unpack(param);
+  }
+  spec_ = sharded_param_.attr("_spec");
+  at::Tensor local = unpack(sharded_param_.attr("_local_tensor"));
+  if (local.is_meta()) return;
+  const bool backed = !padded_sharded_data_.is_meta() &&
+                      local.scalar_type() == padded_sharded_data_.scalar_type() &&
+                      local.device() == padded_sharded_data_.device() &&
+                      (local.numel() == 0 || local.data_ptr() == padded_sharded_data_.data_ptr());
+  if (backed) return;
+  TORCH_CHECK_VALUE(local.dim() >= 1 && local.is_contiguous(), "fsdp_ext ", fqn_,
+                    ": the sharded local tensor must be contiguous with at least one dim");
+  std::vector<int64_t> padded_size = local.sizes().vec();
+  padded_size[0] = (orig_size_[0] + shard_world_size_ - 1) / shard_world_size_;
+  at::Tensor padded = at::zeros(padded_size, local.options());
+  padded.narrow(0, 0, local.size(0)).copy_(local);
+  padded_sharded_data_ = padded.view({-1});
+  sharded_param_.attr("_local_tensor") = padded.narrow(0, 0, local.size(0));
+  // A later all-gather allocates an output of the new dtype.
+  if (all_gather_output_.defined() && all_gather_output_.scalar_type() != local.scalar_type()) {
+    all_gather_output_ = at::Tensor();
+    unsharded_param_ = py::object();
+    unsharded_tensor_ = at::Tensor();
+  }
+}
+
+}  // namespace fsdp_ext::fsdp

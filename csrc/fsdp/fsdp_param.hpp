@@ -1,0 +1,114 @@
+// FsdpParam: one managed parameter of an FSDP group and the tensors it moves
+// between (upstream FSDP2's FSDPParam; layouts and semantics as there):
+//
+//   sharded param     nn.Parameter(DTensor Shard(0)) whose local tensor is the
+//                     unpadded prefix of `padded_sharded_data` (dim 0 padded to
+//                     ceil(dim0 / world) rows, zeros at the tail);
+//   all-gather output a flat buffer of world * padded numel elements; its
+//                     storage is allocated for an unshard and released (resized
+//                     to 0 bytes) on reshard, while the tensor objects persist;
+//   unsharded param   nn.Parameter viewing the prefix of the all-gather output
+//                     with the original shape. The same object every step:
+//                     autograd's saved tensors and .grad rely on its identity;
+//   post-forward data with reshard_after_forward=k, this rank's 1/k of the
+//                     all-gather output, kept as a DTensor on the k-rank mesh.
+//
+// Modules are Python objects, so registration writes the module's
+// _parameters dict (or setattr where the class overrides __setattr__), and
+// gradient DTensors are built through the Python DTensor constructor; the
+// loops over parameters run here, in C++.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <pybind11/pybind11.h>
+
+#include <string>
+#include <vector>
+
+#include "fsdp/training_state.hpp"  // also FSDP_EXT_HIDDEN
+
+namespace fsdp_ext::fsdp {
+
+namespace py = pybind11;
+
+// One (module, attribute) the parameter is registered on; shared parameters
+// have several.
+struct FSDP_EXT_HIDDEN ModuleSlot {
+  py::object module;
+  py::object parameters;  // module._parameters
+  py::str name;
+  bool plain_dict_write;  // false where the module class overrides __setattr__
+};
+
+class FSDP_EXT_HIDDEN FsdpParam {
+ public:
+  FsdpParam(std::string fqn, std::vector<ModuleSlot> slots, py::object sharded_param,
+            at::Tensor padded_sharded_data, std::vector<int64_t> orig_size,
+            std::vector<int64_t> sharded_size, int64_t shard_world_size);
+
+  // Transitions; each registers the matching parameter on every slot.
+  void to_sharded();
+  // Keeps chunk `rank` of `world` (the post-forward mesh) of the all-gather
+  // output as a DTensor with `spec`, then releases the unsharded storage.
+  void to_sharded_post_forward(int64_t rank, int64_t world, const py::object& spec);
+  void to_unsharded();
+  ShardedState sharded_state() const { return state_; }
+
+  // The flat tensor this rank contributes to the next all-gather.
+  const at::Tensor& all_gather_input() const;
+  // The all-gather output with its storage allocated (created on first use).
+  const at::Tensor& allocated_all_gather_output();
+  // Creates the unsharded nn.Parameter once, viewing the all-gather output.
+  void init_unsharded_param();
+  bool has_unsharded_param() const { return unsharded_tensor_.defined(); }
+  void release_unsharded_storage();
+
+  // The unsharded parameter's gradient (undefined if none), detached from the
+  // parameter (its .grad becomes None).
+  at::Tensor take_unsharded_grad();
+  // Adds `shard` (this rank's reduced gradient, sharded_size) into the sharded
+  // parameter's DTensor gradient, creating it if absent, then runs the
+  // parameter's post-accumulate-grad hooks.
+  void accumulate_sharded_grad(const at::Tensor& shard);
+
+  // Re-reads the parameter from its module (load_state_dict(assign=True),
+  // Module._apply) and re-pads a local tensor that is no longer backed by the
+  // padded buffer. Meta tensors are left alone.
+  void reset_sharded_param();
+
+  const std::string& fqn() const { return fqn_; }
+  void set_fqn(std::string fqn) { fqn_ = std::move(fqn); }
+  const std::vector<int64_t>& orig_size() const { return orig_size_; }
+  const std::vector<int64_t>& sharded_size() const { return sharded_size_; }
+  int64_t padded_shard_numel() const { return padded_sharded_data_.numel(); }
+  bool requires_grad() const { return sharded_tensor_.requires_grad(); }
+  bool is_meta() const { return padded_sharded_data_.is_meta(); }
+  at::ScalarType dtype() const { return padded_sharded_data_.scalar_type(); }
+  const py::object& sharded_param() const { return sharded_param_; }
+  const py::object& unsharded_param() const { return unsharded_param_; }
+  const at::Tensor& padded_sharded_data() const { return padded_sharded_data_; }
+
+ private:
+  void register_on_modules(const py::object& param);
+
+  std::string fqn_;
+  std::vector<ModuleSlot> slots_;
+  std::vector<int64_t> orig_size_;
+  std::vector<int64_t> sharded_size_;  // this rank's unpadded chunk
+  int64_t shard_world_size_;
+  ShardedState state_ = ShardedState::kSharded;
+
+  py::object sharded_param_;  // nn.Parameter(DTensor)
+  at::Tensor sharded_tensor_;  // the same object, as a C++ tensor
+  py::object spec_;            // its DTensorSpec, for gradient DTensors
+  at::Tensor padded_sharded_data_;  // 1-D
+
+  at::Tensor all_gather_output_;  // 1-D, world * padded numel
+  py::object unsharded_param_;
+  at::Tensor unsharded_tensor_;
+
+  py::object post_forward_param_;
+  at::Tensor post_forward_data_;  // 1-D
+};
+
+}  // namespace fsdp_ext::fsdp

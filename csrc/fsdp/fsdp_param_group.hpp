@@ -1,0 +1,124 @@
+// FsdpParamGroup: the parameters one fully_shard call manages, moved together
+// (upstream FSDP2's FSDPParamGroup). One flat all-gather unshards them, one
+// flat reduce-scatter reduces their gradients; the training-state and
+// sharded-state machines below decide when:
+//
+//   pre_forward   FORWARD; unshard (unless prefetched) and wait
+//   post_forward  reshard (fully, to the post-forward mesh, or not at all)
+//                 and record the forward order for backward prefetch; IDLE
+//   pre_backward  PRE_BACKWARD; unshard and wait; prefetch the group whose
+//                 forward finished just before this one
+//   post_backward POST_BACKWARD; take the unsharded gradients, reshard,
+//                 issue the reduce-scatter (completed by the next group's
+//                 post_backward or at the end of backward)
+//
+// Collectives go through c10d::ProcessGroup, so any backend works and
+// CommDebugMode counts them as c10d::_allgather_base_ / _reduce_scatter_base_.
+// Entry points are called from Python hooks with the GIL held.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <pybind11/pybind11.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fsdp/comm_context.hpp"
+#include "fsdp/fsdp_param.hpp"
+#include "fsdp/training_state.hpp"
+
+namespace fsdp_ext::fsdp {
+
+using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+
+// Knobs set through FSDPModule's setters (upstream's names and defaults).
+struct GroupOptions {
+  bool reduce_grads = true;
+  bool reshard_after_backward = true;
+  bool unshard_in_backward = true;
+  std::optional<double> gradient_divide_factor;
+};
+
+class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpParamGroup> {
+ public:
+  FsdpParamGroup(std::vector<std::shared_ptr<FsdpParam>> params, ProcessGroupPtr shard_group);
+
+  // reshard_after_forward: false keeps parameters unsharded after forward;
+  // true reshards them, to `post_forward_group` (a smaller group of
+  // consecutive ranks, with one DTensorSpec per parameter) when given.
+  void set_reshard_after_forward(bool reshard, ProcessGroupPtr post_forward_group = {},
+                                 std::vector<py::object> post_forward_specs = {});
+  bool reshard_after_forward() const { return reshard_after_forward_; }
+  bool uses_post_forward_mesh() const { return reshard_after_forward_ && post_forward_group_; }
+
+  void set_comm_context(std::shared_ptr<FsdpCommContext> context) { comm_ = std::move(context); }
+  const std::shared_ptr<FsdpCommContext>& comm_context() const { return comm_; }
+
+  // The state machine (see the file comment).
+  void unshard();
+  void wait_for_unshard();
+  void reshard();
+  void pre_forward();
+  void post_forward(bool inside_backward);
+  void pre_backward(bool default_prefetch);
+  void post_backward();
+  void finalize_backward();
+  // Unshards this group as if it were in `state` (explicit or implicit
+  // prefetch); the state is restored afterwards.
+  void prefetch_unshard(TrainingState state);
+  // Back to IDLE and SHARDED after an exception mid-step: drops pending
+  // collectives (waiting on them) and the forward-order bookkeeping.
+  void reset_iter_state();
+
+  // Registers the sharded parameters without a reshard event (state_dict
+  // hooks: saved and loaded state is always the sharded DTensors).
+  void to_sharded();
+
+  // Re-reads parameters changed since fully_shard (materialised meta tensors,
+  // load_state_dict(assign=True), .to()); before first use and after those.
+  void reset_sharded_params();
+
+  TrainingState training_state() const { return training_state_; }
+  void set_training_state(TrainingState state) { training_state_ = state; }
+  ShardedState sharded_state() const { return sharded_state_; }
+  bool unshard_pending() const { return pending_all_gather_.has_value(); }
+  const std::string& module_fqn() const { return module_fqn_; }
+  void set_module_fqn(std::string fqn) { module_fqn_ = std::move(fqn); }
+  const std::vector<std::shared_ptr<FsdpParam>>& params() const { return params_; }
+  GroupOptions& options() { return options_; }
+  const ProcessGroupPtr& shard_group() const { return shard_group_; }
+  const ProcessGroupPtr& post_forward_group() const { return post_forward_group_; }
+
+ private:
+  struct PendingAllGather {
+    at::Tensor output;                    // flat, world * input numel
+    c10::intrusive_ptr<c10d::Work> work;  // null at world size 1
+    int64_t world_size;
+    std::vector<int64_t> split_sizes;
+  };
+
+  void to_sharded_post_forward();
+  void to_unsharded();
+  void backward_prefetch();
+  void reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> params,
+                        std::vector<at::Tensor> grads);
+
+  std::vector<std::shared_ptr<FsdpParam>> params_;
+  ProcessGroupPtr shard_group_;
+  ProcessGroupPtr post_forward_group_;
+  std::vector<py::object> post_forward_specs_;
+  bool reshard_after_forward_ = true;
+  std::shared_ptr<FsdpCommContext> comm_;
+  GroupOptions options_;
+  std::string module_fqn_;
+
+  TrainingState training_state_ = TrainingState::kIdle;
+  ShardedState sharded_state_ = ShardedState::kSharded;
+  std::optional<PendingAllGather> pending_all_gather_;
+  std::vector<size_t> post_forward_indices_;
+};
+
+}  // namespace fsdp_ext::fsdp

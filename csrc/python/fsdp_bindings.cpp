@@ -1,0 +1,142 @@
+// Python bindings of the FSDP runtime (csrc/fsdp): the parameter, the group
+// state machine, the shared comm context and the event trace sink. The thin
+// Python layer (torch_fsdp_ext/fsdp) builds these at fully_shard time and
+// calls them from module and autograd hooks.
+#include <torch/csrc/utils/pybind.h>
+#include <torch/python.h>
+
+#include "fsdp/comm_context.hpp"
+#include "fsdp/event_trace.hpp"
+#include "fsdp/fsdp_param.hpp"
+#include "fsdp/fsdp_param_group.hpp"
+
+namespace py = pybind11;
+
+namespace fsdp_ext::python {
+
+using fsdp::FsdpCommContext;
+using fsdp::FsdpParam;
+using fsdp::FsdpParamGroup;
+using fsdp::ProcessGroupPtr;
+using fsdp::TrainingState;
+
+namespace {
+
+TrainingState training_state_from(int value) {
+  TORCH_CHECK_VALUE(value >= 1 && value <= 4, "fsdp_ext: invalid training state ", value);
+  return static_cast<TrainingState>(value);
+}
+
+ProcessGroupPtr optional_group(const py::object& group) {
+  return group.is_none() ? ProcessGroupPtr() : group.cast<ProcessGroupPtr>();
+}
+
+}  // namespace
+
+void bind_fsdp_runtime(py::module_& m) {
+  py::class_<FsdpParam, std::shared_ptr<FsdpParam>>(m, "FsdpParam")
+      .def(py::init([](std::string fqn, const py::list& slots, py::object sharded_param,
+                       at::Tensor padded_sharded_data, std::vector<int64_t> orig_size,
+                       std::vector<int64_t> sharded_size, int64_t shard_world_size) {
+             std::vector<fsdp::ModuleSlot> module_slots;
+             for (const py::handle& slot : slots) {
+               auto entry = slot.cast<py::tuple>();
+               py::object module = entry[0];
+               module_slots.push_back({module, module.attr("_parameters"),
+                                       entry[1].cast<py::str>(), entry[2].cast<bool>()});
+             }
+             return std::make_shared<FsdpParam>(
+                 std::move(fqn), std::move(module_slots), std::move(sharded_param),
+                 std::move(padded_sharded_data), std::move(orig_size), std::move(sharded_size),
+                 shard_world_size);
+           }),
+           py::arg("fqn"), py::arg("slots"), py::arg("sharded_param"),
+           py::arg("padded_sharded_data"), py::arg("orig_size"), py::arg("sharded_size"),
+           py::arg("shard_world_size"),
+           "slots: (module, attribute name, write module._parameters directly) per holder.")
+      .def_property("fqn", &FsdpParam::fqn, &FsdpParam::set_fqn)
+      .def_property_readonly("sharded_state",
+                             [](const FsdpParam& p) { return static_cast<int>(p.sharded_state()); })
+      .def_property_readonly("sharded_param", &FsdpParam::sharded_param)
+      .def_property_readonly("unsharded_param", &FsdpParam::unsharded_param)
+      .def_property_readonly("has_unsharded_param", &FsdpParam::has_unsharded_param)
+      .def_property_readonly("orig_size", &FsdpParam::orig_size)
+      .def_property_readonly("sharded_size", &FsdpParam::sharded_size)
+      .def_property_readonly("padded_sharded_data", &FsdpParam::padded_sharded_data)
+      .def_property_readonly("is_meta", &FsdpParam::is_meta)
+      .def("reset_sharded_param", &FsdpParam::reset_sharded_param)
+      .def("__repr__", [](const FsdpParam& p) {
+        std::string sizes;
+        for (int64_t s : p.orig_size()) sizes += (sizes.empty() ? "" : ", ") + std::to_string(s);
+        return "FsdpParam(fqn=" + p.fqn() + ", orig_size=(" + sizes + "))";
+      });
+
+  py::class_<FsdpCommContext, std::shared_ptr<FsdpCommContext>>(m, "FsdpCommContext")
+      .def(py::init<>())
+      .def("finish_reduces", &FsdpCommContext::finish_reduces, py::arg("keep") = 0,
+           "Wait for in-flight gradient reduce-scatters and accumulate their results.")
+      .def("drop_reduces", &FsdpCommContext::drop_reduces,
+           "Wait for in-flight reduce-scatters and discard their results.")
+      .def_property_readonly("reduces_in_flight", &FsdpCommContext::reduces_in_flight)
+      .def_property_readonly("post_forward_order_length",
+                             [](const FsdpCommContext& c) { return c.post_forward_order.size(); })
+      .def("clear_post_forward_order", [](FsdpCommContext& c) { c.post_forward_order.clear(); });
+
+  py::class_<FsdpParamGroup, std::shared_ptr<FsdpParamGroup>>(m, "FsdpParamGroup")
+      .def(py::init<std::vector<std::shared_ptr<FsdpParam>>, ProcessGroupPtr>(),
+           py::arg("params"), py::arg("shard_group"))
+      .def(
+          "set_reshard_after_forward",
+          [](FsdpParamGroup& g, bool reshard, const py::object& post_forward_group,
+             std::vector<py::object> specs) {
+            g.set_reshard_after_forward(reshard, optional_group(post_forward_group),
+                                        std::move(specs));
+          },
+          py::arg("reshard"), py::arg("post_forward_group") = py::none(),
+          py::arg("post_forward_specs") = std::vector<py::object>())
+      .def_property_readonly("reshard_after_forward", &FsdpParamGroup::reshard_after_forward)
+      .def_property_readonly("uses_post_forward_mesh", &FsdpParamGroup::uses_post_forward_mesh)
+      .def_property("comm_context", &FsdpParamGroup::comm_context,
+                    &FsdpParamGroup::set_comm_context)
+      .def("unshard", &FsdpParamGroup::unshard)
+      .def("wait_for_unshard", &FsdpParamGroup::wait_for_unshard)
+      .def("reshard", &FsdpParamGroup::reshard)
+      .def("pre_forward", &FsdpParamGroup::pre_forward)
+      .def("post_forward", &FsdpParamGroup::post_forward, py::arg("inside_backward"))
+      .def("pre_backward", &FsdpParamGroup::pre_backward, py::arg("default_prefetch"))
+      .def("post_backward", &FsdpParamGroup::post_backward)
+      .def("finalize_backward", &FsdpParamGroup::finalize_backward)
+      .def("prefetch_unshard",
+           [](FsdpParamGroup& g, int state) { g.prefetch_unshard(training_state_from(state)); },
+           py::arg("training_state"))
+      .def("reset_iter_state", &FsdpParamGroup::reset_iter_state)
+      .def("to_sharded", &FsdpParamGroup::to_sharded)
+      .def("reset_sharded_params", &FsdpParamGroup::reset_sharded_params)
+      .def_property(
+          "training_state", [](const FsdpParamGroup& g) { return static_cast<int>(g.training_state()); },
+          [](FsdpParamGroup& g, int state) { g.set_training_state(training_state_from(state)); })
+      .def_property_readonly("sharded_state",
+                             [](const FsdpParamGroup& g) { return static_cast<int>(g.sharded_state()); })
+      .def_property_readonly("unshard_pending", &FsdpParamGroup::unshard_pending)
+      .def_property("module_fqn", &FsdpParamGroup::module_fqn, &FsdpParamGroup::set_module_fqn)
+      .def_property_readonly("params", &FsdpParamGroup::params)
+      .def_property_readonly("shard_group", &FsdpParamGroup::shard_group)
+      .def_property(
+          "reduce_grads", [](FsdpParamGroup& g) { return g.options().reduce_grads; },
+          [](FsdpParamGroup& g, bool v) { g.options().reduce_grads = v; })
+      .def_property(
+          "reshard_after_backward", [](FsdpParamGroup& g) { return g.options().reshard_after_backward; },
+          [](FsdpParamGroup& g, bool v) { g.options().reshard_after_backward = v; })
+      .def_property(
+          "unshard_in_backward", [](FsdpParamGroup& g) { return g.options().unshard_in_backward; },
+          [](FsdpParamGroup& g, bool v) { g.options().unshard_in_backward = v; })
+      .def_property(
+          "gradient_divide_factor",
+          [](FsdpParamGroup& g) { return g.options().gradient_divide_factor; },
+          [](FsdpParamGroup& g, std::optional<double> v) { g.options().gradient_divide_factor = v; });
+
+  m.def("_fsdp_set_trace_sink", &fsdp::EventTrace::set_sink, py::arg("record"),
+        "Install record(event, module_fqn, training_state) for every group event; None removes.");
+}
+
+}  // namespace fsdp_ext::python

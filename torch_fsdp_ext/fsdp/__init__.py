@@ -1,0 +1,24 @@
+"""Our FSDP2: ``fully_shard`` with the parameter-group state machines in C++.
+
+Same public API as ``torch.distributed.fsdp``; the policy classes are torch's
+own, so code written for upstream passes them unchanged.
+"""
+
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+from ._module import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from ._trace import FSDPEvent, ShardedState, TrainingState, trace_fsdp_events
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPEvent",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "ShardedState",
+    "TrainingState",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "trace_fsdp_events",
+]

@@ -1,0 +1,218 @@
+"""What fully_shard does once, at wrap time: pick and check the mesh, collect
+the modules and parameters it manages, shard each parameter into a DTensor,
+and build the C++ parameter group. Nothing here runs per training step."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from .. import _C
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1-D mesh over the default process group on the current accelerator."""
+    if not dist.is_initialized():
+        dist.init_process_group()
+    device_type = torch._C._get_accelerator().type
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def validate_mesh(mesh: DeviceMesh) -> None:
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
+    if mesh.ndim == 2:
+        if mesh.mesh_dim_names is None:
+            raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
+        raise NotImplementedError(
+            "torch_fsdp_ext.fully_shard: 2-D meshes (HSDP) are not supported yet; "
+            "use torch.distributed.fsdp.fully_shard for HSDP"
+        )
+    if mesh.device_type != "cpu":
+        raise NotImplementedError(
+            f"torch_fsdp_ext.fully_shard: {mesh.device_type} meshes are not supported yet "
+            "(CPU only in this release)"
+        )
+
+
+def validate_module(module) -> None:
+    modules = [module] if isinstance(module, nn.Module) else list(module)
+    for m in modules:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward in (
+            nn.ModuleList.forward,
+            nn.ModuleDict.forward,
+        ):
+            raise ValueError(
+                f"fully_shard does not support containers that do not implement forward: {m}"
+            )
+
+
+def validate_policies(mp_policy, offload_policy) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if any(d is not None for d in (mp_policy.param_dtype, mp_policy.reduce_dtype, mp_policy.output_dtype)):
+        raise NotImplementedError(
+            "torch_fsdp_ext.fully_shard: MixedPrecisionPolicy with dtypes is not supported yet "
+            f"(got {mp_policy})"
+        )
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError("torch_fsdp_ext.fully_shard: CPUOffloadPolicy is not supported yet")
+
+
+def post_forward_setting(reshard_after_forward, mesh: DeviceMesh):
+    """(reshard after forward?, the smaller mesh to reshard to or None)."""
+    world = mesh.size()
+    value = reshard_after_forward
+    if not isinstance(value, (bool, int)):
+        raise ValueError(
+            "reshard_after_forward should be a bool or an int representing the "
+            f"group size to reshard to, not {value}"
+        )
+    if not isinstance(value, bool):
+        if value < 1 or value > world or world % value != 0:
+            raise ValueError(
+                "If passing reshard_after_forward as an int, it should be a "
+                f"factor of {world}, not {value}"
+            )
+        if value == 1:
+            import warnings
+
+            warnings.warn(
+                "reshard_after_forward=1 (int) means resharding parameters to world size 1, "
+                "instead of reshard_after_forward=True (bool)",
+                stacklevel=3,
+            )
+            return False, None
+        if value == world:
+            return True, None
+        # Groups of `value` consecutive ranks: a 2-D mesh whose dim 1 shards.
+        return True, DeviceMesh(mesh.device_type, mesh.mesh.view(-1, value))
+    return value, None
+
+
+def managed_modules(root_modules, ignored_params, get_state) -> list[nn.Module]:
+    """Post-order modules under the roots, not descending into modules that
+    have their own fully_shard, each module once."""
+    roots = set(root_modules)
+    visited: set = set()
+    out: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if module not in roots and get_state(module) is not None:
+            return
+        visited.add(module)
+        for child in module.children():
+            if child not in visited:
+                visit(child)
+        out.append(module)
+
+    for root in root_modules:
+        visit(root)
+    if ignored_params:
+        # A module whose parameters are all ignored and that has no buffers
+        # is not managed.
+        def all_ignored(m: nn.Module) -> bool:
+            params = list(m.parameters(recurse=True))
+            return bool(params) and all(p in ignored_params for p in params) and not list(m.buffers())
+
+        out = [m for m in out if not all_ignored(m)]
+    return out
+
+
+def managed_states(modules, ignored_params):
+    params, buffers, seen = [], [], set()
+    ignored = ignored_params or set()
+    for module in modules:
+        for name, param in module.named_parameters(recurse=False):
+            if param in ignored or param in seen:
+                continue
+            if param.dim() == 0:
+                raise ValueError(
+                    "fully_shard doesn't support scalar parameters. "
+                    f"Change {name} to a 1D tensor with numel equal to 1."
+                )
+            seen.add(param)
+            params.append(param)
+        for buffer in module.buffers(recurse=False):
+            if buffer not in seen:
+                seen.add(buffer)
+                buffers.append(buffer)
+    return params, buffers
+
+
+def move_to_device(params, buffers, device: torch.device) -> None:
+    for tensor in list(params) + list(buffers):
+        if tensor.device == device or tensor.device.type == "meta":
+            continue
+        if isinstance(tensor, DTensor):
+            raise ValueError(
+                "Requires DTensor to have mesh of the same type as the FSDP mesh "
+                f"but got {tensor.device_mesh.device_type} for DTensor and {device.type} for FSDP"
+            )
+        tensor.data = tensor.to(device)
+
+
+def module_slots(params, modules):
+    """For each parameter, every (module, attribute name) holding it."""
+    wanted = {id(p): [] for p in params}
+    seen_modules = set()
+    for root in modules:
+        for module in root.modules():
+            if id(module) in seen_modules:
+                continue
+            seen_modules.add(id(module))
+            plain = type(module).__setattr__ is nn.Module.__setattr__
+            for name, param in module._parameters.items():
+                if param is not None and id(param) in wanted:
+                    wanted[id(param)].append((module, name, plain))
+    return [wanted[id(p)] for p in params]
+
+
+def shard_param(param: nn.Parameter, mesh: DeviceMesh, fqn: str, slots):
+    """Shards `param` on dim 0 as upstream does: every rank holds ceil(d0 / W)
+    rows (zero padding at the tail); the DTensor's local tensor is the real
+    rows, a view of the padded buffer the all-gather reads."""
+    if isinstance(param, DTensor):
+        raise NotImplementedError(
+            f"torch_fsdp_ext.fully_shard: DTensor parameter {fqn} (tensor parallelism) is not "
+            "supported yet"
+        )
+    if not param.is_contiguous():
+        raise NotImplementedError(
+            f"FSDP does not support non-contiguous parameters yet: {param.shape=} {param.stride()=}"
+        )
+    world = mesh.size()
+    rank = mesh.get_local_rank()
+    rows = -(-param.shape[0] // world)
+    start = min(rank * rows, param.shape[0])
+    length = max(0, min(rows, param.shape[0] - start))
+    with torch.no_grad():
+        padded = torch.zeros((rows,) + tuple(param.shape[1:]), dtype=param.dtype, device=param.device)
+        if length and param.device.type != "meta":
+            padded[:length].copy_(param[start:start + length])
+    spec = DTensorSpec(
+        mesh, (Shard(0),), tensor_meta=TensorMeta(param.shape, param.stride(), param.dtype)
+    )
+    local = padded[:length]
+    sharded = nn.Parameter(
+        DTensor(local, spec, requires_grad=False), requires_grad=param.requires_grad
+    )
+    return _C.FsdpParam(
+        fqn, slots, sharded, padded.view(-1), list(param.shape), list(local.shape), world
+    )
+
+
+def post_forward_specs(params, post_forward_mesh: DeviceMesh):
+    """DTensorSpecs of the parameters kept after forward on the smaller mesh."""
+    return [
+        DTensorSpec(
+            post_forward_mesh,
+            (Replicate(), Shard(0)),
+            tensor_meta=p.sharded_param._spec.tensor_meta,
+        )
+        for p in params
+    ]

@@ -1,0 +1,305 @@
+"""fully_shard and FSDPModule: the public API, as torch.distributed.fsdp's."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+from torch.distributed._composable import contract
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.utils import _get_root_modules
+
+from .. import _C
+from . import _init
+from ._state import FSDPState, get_fsdp_state
+from ._trace import TrainingState
+
+_cls_to_fsdp_cls: dict[type, type] = {}
+
+
+@contract(state_cls=FSDPState)
+def fully_shard(
+    module,
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    reshard_after_forward: Union[bool, int, None] = None,
+    shard_placement_fn: Optional[Callable] = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: Optional[set] = None,
+):
+    """Shards ``module``'s parameters across ``mesh`` (FSDP2). Same signature
+    and semantics as ``torch.distributed.fsdp.fully_shard``; the parameter
+    group state machines and copy loops run in C++. Returns ``module`` (its
+    class swapped to ``FSDP<Class>``)."""
+    torch._C._log_api_usage_once("torch_fsdp_ext.fully_shard")
+    _init.validate_module(module)
+    mesh = mesh or _init.default_mesh()
+    _init.validate_mesh(mesh)
+    _init.validate_policies(mp_policy, offload_policy)
+    if shard_placement_fn is not None:
+        raise NotImplementedError(
+            "torch_fsdp_ext.fully_shard: shard_placement_fn is not supported yet (Shard(0) only)"
+        )
+    auto_reshard = reshard_after_forward is None
+    reshard, post_forward_mesh = _init.post_forward_setting(
+        True if auto_reshard else reshard_after_forward, mesh
+    )
+    device = torch.device(mesh.device_type)
+    roots = (module,) if isinstance(module, nn.Module) else tuple(_get_root_modules(list(module)))
+    managed = _init.managed_modules(roots, ignored_params, get_fsdp_state)
+    params, buffers = _init.managed_states(managed, ignored_params)
+    _init.move_to_device(params, buffers, device)
+
+    state = fully_shard.state(roots[0])
+    state.init(roots, device, auto_reshard)
+    if params:
+        slots = _init.module_slots(params, roots)
+        fsdp_params = [
+            _init.shard_param(p, mesh, f"{type(s[0][0]).__name__}.{s[0][1]}", s)
+            for p, s in zip(params, slots)
+        ]
+        group = _C.FsdpParamGroup(fsdp_params, mesh.get_group(0))
+        if post_forward_mesh is not None:
+            group.set_reshard_after_forward(
+                True, post_forward_mesh.get_group(1),
+                _init.post_forward_specs(fsdp_params, post_forward_mesh),
+            )
+        else:
+            group.set_reshard_after_forward(reshard)
+        state._fsdp_param_group = group
+        state._mesh = mesh
+        _register_state_dict_hooks(state, slots)
+    for m in managed:
+        m._is_fsdp_managed_module = True
+        m._fsdp_use_orig_params = True
+    for m in roots:
+        cls = m.__class__
+        fsdp_cls = _cls_to_fsdp_cls.get(cls)
+        if fsdp_cls is None:
+            fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
+                            {"__deepcopy__": _unsupported_deepcopy})
+            _cls_to_fsdp_cls[cls] = fsdp_cls
+        m.__class__ = fsdp_cls
+    return module
+
+
+def _unsupported_deepcopy(*args, **kwargs):
+    raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
+
+
+def _register_state_dict_hooks(state: FSDPState, slots) -> None:
+    """state_dict() and load_state_dict() always see the sharded DTensors;
+    load_state_dict(assign=True) swaps parameter objects, which the group
+    re-reads afterwards."""
+    group = state._fsdp_param_group
+    owners = {id(s[0][0]): s[0][0] for s in slots}
+
+    def to_sharded(*args, **kwargs):
+        group.to_sharded()
+
+    def reread(*args, **kwargs):
+        with torch.no_grad():
+            group.reset_sharded_params()
+
+    for module in owners.values():
+        module.register_state_dict_pre_hook(to_sharded)
+        module._register_load_state_dict_pre_hook(to_sharded)
+        module.register_load_state_dict_post_hook(reread)
+
+
+def _fsdp_modules(module: nn.Module, recurse: bool):
+    modules = module.modules() if recurse else [module]
+    return [m for m in modules if isinstance(m, FSDPModule)]
+
+
+class FSDPModule:
+    """Mixed into every module fully_shard was applied to (class swap)."""
+
+    def __new__(cls, *args, **kwargs):
+        # Constructing an FSDP class (e.g. Sequential slicing) builds the
+        # original class: index 0 is this FSDP class, 1 FSDPModule, 2 the original.
+        orig_cls = cls.__mro__[2]
+        self = orig_cls.__new__(orig_cls, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _get_fsdp_state(self) -> FSDPState:
+        state = get_fsdp_state(self)
+        if state is None:
+            raise AssertionError(f"No FSDP state found on {self}")
+        return state
+
+    def _group(self):
+        return self._get_fsdp_state()._fsdp_param_group
+
+    def reshard(self) -> None:
+        """Frees the unsharded parameters and registers the sharded ones."""
+        group = self._group()
+        if group is not None:
+            group.reshard()
+
+    def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
+        """All-gathers the parameters; with async_op, returns a handle whose
+        wait() finishes the unshard, else waits before returning."""
+        state = self._get_fsdp_state()
+        group = state._fsdp_param_group
+        if group is not None:
+            state._lazy_init_group()
+            group.unshard()
+        handle = _UnshardHandleImpl(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        self._get_fsdp_state()._state_ctx.is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        for m in _fsdp_modules(self, recurse):
+            group = m._group()
+            if group is not None:
+                group.reduce_grads = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        # Only HSDP all-reduces, and HSDP is not supported yet: nothing to set.
+        for m in _fsdp_modules(self, recurse):
+            m._get_fsdp_state()._requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}"
+            )
+        for m in _fsdp_modules(self, recurse):
+            state = m._get_fsdp_state()
+            state._auto_reshard_after_forward = False
+            if state._fsdp_param_group is not None:
+                state._fsdp_param_group.set_reshard_after_forward(reshard_after_forward)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for m in _fsdp_modules(self, recurse):
+            group = m._group()
+            if group is not None:
+                group.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list) -> None:
+        _check_fsdp_modules(modules)
+        self._get_fsdp_state()._states_to_forward_prefetch = [m._get_fsdp_state() for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list) -> None:
+        _check_fsdp_modules(modules)
+        self._get_fsdp_state()._states_to_backward_prefetch = [m._get_fsdp_state() for m in modules]
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        # CPU collectives are ordered by the host: nothing to wait on.
+        self._get_fsdp_state()._state_ctx.post_optim_event = None
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Use :py:meth:`set_gradient_divide_factor` instead."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        group = self._group()
+        if group is not None:
+            group.gradient_divide_factor = factor
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        # Reductions here always SUM and divide locally (gloo has no AVG),
+        # so both settings give the same collectives and numbers.
+        self._get_fsdp_state()._force_sum_reduction_for_comms = enable
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        group = self._group()
+        if group is not None:
+            group.unshard_in_backward = unshard_in_backward
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        # Collectives are always issued asynchronously and waited where
+        # their result is needed, so both settings behave the same.
+        for m in _fsdp_modules(self, True):
+            m._get_fsdp_state()._unshard_async_op = async_op
+
+    def reset_iter_state(self) -> None:
+        """Back to a clean state after an exception mid forward/backward:
+        parameters resharded, pending collectives drained, the failed
+        iteration's gradients not reduced."""
+        self._get_fsdp_state()._reset_iter_state()
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        self.reshard()
+        out = super()._apply(*args, **kwargs)
+        group = self._group()
+        if group is not None:
+            with torch.no_grad():
+                group.reset_sharded_params()
+        return out
+
+    def _not_supported(name):  # noqa: N805 - builds the methods below
+        def method(self, *args, **kwargs):
+            raise NotImplementedError(f"torch_fsdp_ext FSDPModule.{name} is not supported yet")
+
+        method.__name__ = name
+        return method
+
+    set_custom_all_gather = _not_supported("set_custom_all_gather")
+    set_custom_reduce_scatter = _not_supported("set_custom_reduce_scatter")
+    set_all_reduce_hook = _not_supported("set_all_reduce_hook")
+    set_allocate_memory_from_process_group_for_comm = _not_supported(
+        "set_allocate_memory_from_process_group_for_comm")
+    set_reduce_scatter_unused_params = _not_supported("set_reduce_scatter_unused_params")
+    set_reduce_scatter_max_input_buffers = _not_supported("set_reduce_scatter_max_input_buffers")
+    set_separate_reduce_scatter_group = _not_supported("set_separate_reduce_scatter_group")
+    set_symm_mem_for_comm = _not_supported("set_symm_mem_for_comm")
+    del _not_supported
+
+
+def _check_fsdp_modules(modules) -> None:
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects FSDPModule but got {type(module)}: {module}")
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``."""
+
+    def wait(self) -> None:
+        return
+
+
+class _UnshardHandleImpl(UnshardHandle):
+    def __init__(self, group) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Runs FSDP's pre/post-forward around ``module.<method_name>`` too (for
+    entry points other than ``forward``). No-op for non-FSDP modules."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    orig = getattr(module, method_name).__func__
+
+    @functools.wraps(orig)
+    def wrapped(self, *args, **kwargs):
+        state = self._get_fsdp_state()
+        args, kwargs = state._pre_forward(self, args, kwargs)
+        out = orig(self, *args, **kwargs)
+        return state._post_forward(self, args, out)
+
+    setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
+           "TrainingState"]

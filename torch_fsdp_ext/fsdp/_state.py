@@ -1,0 +1,315 @@
+"""FSDPState: the Python side of one fully_shard call — module forward hooks
+and autograd hooks that hand each event to the C++ parameter group
+(csrc/fsdp/fsdp_param_group.hpp), plus the root's lazy initialisation and
+end-of-backward callback. Per step this runs a few calls per module; every
+per-parameter loop is in C++."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.distributed._composable_state import _get_module_state, _insert_module_state, _State
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .. import _C
+from ._trace import TrainingState
+
+_FORWARD = TrainingState.FORWARD.value
+_PRE_BACKWARD = TrainingState.PRE_BACKWARD.value
+_POST_BACKWARD = TrainingState.POST_BACKWARD.value
+_IDLE = TrainingState.IDLE.value
+_UNSHARDED = 3
+
+
+def get_fsdp_state(module: nn.Module) -> Optional["FSDPState"]:
+    state = _get_module_state(module)
+    return state if isinstance(state, FSDPState) else None
+
+
+def _inside_backward() -> bool:
+    """True while the autograd engine runs a graph (checkpoint recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class StateContext:
+    """Shared by every state under one root after lazy init."""
+
+    def __init__(self) -> None:
+        self.all_states: list[FSDPState] = []
+        self.iter_forward_root: Optional[FSDPState] = None
+        self.post_backward_final_callback_queued = False
+        self.is_last_backward = True
+        self.post_optim_event = None
+
+
+class RegisterPostBackwardFunction(torch.autograd.Function):
+    """Identity on a module's forward inputs; its backward runs after the
+    module's backward, which is when the group's gradients are complete."""
+
+    @staticmethod
+    def forward(ctx, group, *inputs: torch.Tensor):
+        ctx.group = group
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.group.post_backward()
+        return (None,) + grads
+
+
+class FSDPState(_State):
+    def __init__(self) -> None:
+        super().__init__()
+        self._fsdp_param_group: Optional[_C.FsdpParamGroup] = None
+        self._is_root: Optional[bool] = None
+        self._state_ctx = StateContext()
+        self._comm_ctx = _C.FsdpCommContext()
+        self._training_state = TrainingState.IDLE
+        self._states_to_forward_prefetch: list[FSDPState] = []
+        self._states_to_backward_prefetch: list[FSDPState] = []
+        self._modules_to_run_forward: set[nn.Module] = set()
+        self._auto_reshard_after_forward = True
+        self._group_initialized = False
+        self._modules: tuple[nn.Module, ...] = ()
+        self._hook_handles: list = []
+
+    @property
+    def _fsdp_param_groups(self) -> list:
+        group = self._fsdp_param_group
+        return [] if group is None else [group]
+
+    # Set-up ------------------------------------------------------------------
+
+    def init(self, modules: tuple[nn.Module, ...], device: torch.device,
+             auto_reshard_after_forward: bool) -> None:
+        for module in modules:
+            _insert_module_state(module, self)
+        self._modules = modules
+        self._device = device
+        self._auto_reshard_after_forward = auto_reshard_after_forward
+        if len(modules) == 1:
+            self._hook_handles = [
+                modules[0].register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+                modules[0].register_forward_hook(self._post_forward, prepend=False),
+            ]
+        else:
+            self._register_grouped_hooks(modules)
+
+    def _register_grouped_hooks(self, modules) -> None:
+        """fully_shard([a, b, ...]): the state's pre-forward runs for each
+        module, its post-forward once the last module that started finishes."""
+        to_run = self._modules_to_run_forward
+
+        def pre_hook(module, args, kwargs):
+            if not to_run:
+                to_run.update(modules)
+            return self._pre_forward(module, args, kwargs)
+
+        def post_hook(module, args, output):
+            to_run.discard(module)
+            if to_run:
+                return output
+            return self._post_forward(module, args, output)
+
+        for module in modules:
+            self._hook_handles.append(
+                module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True))
+            self._hook_handles.append(
+                module.register_forward_hook(post_hook, prepend=False, always_call=True))
+
+    def _lazy_init(self) -> None:
+        """Runs at the first forward of a tree: this state becomes the root,
+        the states below share its contexts, groups learn their names."""
+        if self._is_root is not None:
+            return
+        self._is_root = True
+        if len(self._modules) > 1:
+            raise RuntimeError(f"FSDP requires a single root module but got {self._modules}")
+        root = self._modules[0]
+        ctx = self._state_ctx
+        seen: set = set()
+        for name, module in root.named_modules():
+            state = get_fsdp_state(module)
+            if state is None or id(state) in seen:
+                continue
+            if state is not self:
+                if state._is_root is not None:
+                    raise RuntimeError(
+                        f"FSDP state has already been lazily initialized for {name}\n"
+                        "FSDP requires running forward through the root module first"
+                    )
+                state._is_root = False
+            seen.add(id(state))
+            ctx.all_states.append(state)
+        if self._auto_reshard_after_forward and self._fsdp_param_group is not None:
+            # The root's parameters are needed first in backward: keep them.
+            self._fsdp_param_group.set_reshard_after_forward(False)
+        self._init_fqns(root)
+        for state in ctx.all_states:
+            state._state_ctx = ctx
+            state._comm_ctx = self._comm_ctx
+            if state._fsdp_param_group is not None:
+                state._fsdp_param_group.comm_context = self._comm_ctx
+        for state in ctx.all_states:
+            state._lazy_init_group()
+
+    def _init_fqns(self, root: nn.Module) -> None:
+        param_to_fqn = {id(p): n for n, p in root.named_parameters()}
+        module_to_fqn = {id(m): n for n, m in root.named_modules()}
+        for state in self._state_ctx.all_states:
+            group = state._fsdp_param_group
+            if group is None:
+                continue
+            group.module_fqn = ", ".join(
+                module_to_fqn[id(m)] for m in state._modules if id(m) in module_to_fqn
+            )
+            for param in group.params:
+                param.fqn = param_to_fqn.get(id(param.sharded_param), param.fqn)
+
+    def _lazy_init_group(self) -> None:
+        group = self._fsdp_param_group
+        if group is None or self._group_initialized:
+            return
+        with torch.no_grad():
+            group.reset_sharded_params()
+        on_meta = [p.fqn for p in group.params if p.is_meta]
+        if on_meta:
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {on_meta}\n"
+                "For example, call module.to_empty(device) to materialize to device and "
+                "call module.reset_parameters() on each module to initialize values."
+            )
+        self._group_initialized = True
+
+    # Forward -----------------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        group = self._fsdp_param_group
+        if self._training_state is TrainingState.PRE_BACKWARD:
+            # Activation-checkpoint recomputation inside backward: parameters
+            # must be unsharded (a later module's post_backward may have
+            # resharded them), nothing else.
+            if group is not None and group.sharded_state != _UNSHARDED:
+                group.unshard()
+                group.wait_for_unshard()
+            return args, kwargs
+        first_in_pass = self._training_state is not TrainingState.FORWARD
+        self._training_state = TrainingState.FORWARD
+        if first_in_pass:
+            self._lazy_init()
+            if self._state_ctx.iter_forward_root is None:
+                self._state_ctx.iter_forward_root = self
+        if group is not None:
+            entering = group.training_state != _FORWARD
+            group.pre_forward()
+            if entering and torch.is_grad_enabled():
+                args, kwargs = _register_post_backward(group, args, kwargs)
+        if first_in_pass:
+            for state in self._states_to_forward_prefetch:
+                if state._fsdp_param_group is not None:
+                    state._fsdp_param_group.prefetch_unshard(_FORWARD)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, input: Any, output: Any):
+        if self._training_state is TrainingState.PRE_BACKWARD:
+            return output
+        group = self._fsdp_param_group
+        if group is not None:
+            group.post_forward(_inside_backward())
+        output = self._register_pre_backward_hook(output)
+        self._training_state = TrainingState.IDLE
+        if self._state_ctx.iter_forward_root is self:
+            output = self._force_complete_incomplete_states(output)
+            self._state_ctx.iter_forward_root = None
+        return output
+
+    def _force_complete_incomplete_states(self, output: Any) -> Any:
+        """Grouped states whose forward ran only some of their modules
+        finish their post-forward with the root's."""
+        for state in reversed(self._state_ctx.all_states):
+            if state is self or not state._modules_to_run_forward:
+                continue
+            if state._fsdp_param_group is not None:
+                state._fsdp_param_group.post_forward(False)
+            output = state._register_pre_backward_hook(output)
+            state._training_state = TrainingState.IDLE
+            state._modules_to_run_forward.clear()
+        return output
+
+    def _register_pre_backward_hook(self, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return output
+        for leaf in tree_flatten(output)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(self._pre_backward)
+        return output
+
+    # Backward ----------------------------------------------------------------
+
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        self._training_state = TrainingState.PRE_BACKWARD
+        ctx = self._state_ctx
+        if not ctx.post_backward_final_callback_queued:
+            ctx.post_backward_final_callback_queued = True
+            Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
+        group = self._fsdp_param_group
+        if group is not None:
+            group.pre_backward(not self._states_to_backward_prefetch)
+        for state in self._states_to_backward_prefetch:
+            if state._fsdp_param_group is not None:
+                state._fsdp_param_group.prefetch_unshard(_PRE_BACKWARD)
+        return grad
+
+    def _root_post_backward_final_callback(self) -> None:
+        """After autograd finishes: post_backward for groups autograd did not
+        reach (the root, whose input needs no grad; unused modules), then
+        complete every reduce-scatter so gradients are ready for the optimizer."""
+        ctx = self._state_ctx
+        try:
+            ctx.iter_forward_root = None
+            for state in ctx.all_states:
+                state._modules_to_run_forward.clear()
+                group = state._fsdp_param_group
+                if group is not None:
+                    if group.training_state != _POST_BACKWARD:
+                        group.post_backward()
+                    group.training_state = _IDLE
+                state._training_state = TrainingState.IDLE
+                if ctx.is_last_backward and group is not None:
+                    group.finalize_backward()
+            self._comm_ctx.finish_reduces()
+            if ctx.is_last_backward:
+                self._comm_ctx.clear_post_forward_order()
+        finally:
+            ctx.post_backward_final_callback_queued = False
+
+    def _reset_iter_state(self) -> None:
+        if not self._is_root:
+            raise RuntimeError("reset_iter_state() must be called on the root FSDP module")
+        ctx = self._state_ctx
+        self._comm_ctx.drop_reduces()
+        for state in ctx.all_states or [self]:
+            state._modules_to_run_forward.clear()
+            state._training_state = TrainingState.IDLE
+            if state._fsdp_param_group is not None:
+                state._fsdp_param_group.reset_iter_state()
+        self._comm_ctx.clear_post_forward_order()
+        ctx.iter_forward_root = None
+        ctx.post_backward_final_callback_queued = False
+
+
+def _register_post_backward(group, args: tuple, kwargs: dict):
+    leaves, spec = tree_flatten((args, kwargs))
+    positions = [
+        i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+    ]
+    if not positions:
+        return args, kwargs
+    outputs = RegisterPostBackwardFunction.apply(group, *(leaves[i] for i in positions))
+    for i, out in zip(positions, outputs):
+        leaves[i] = out
+    return tree_unflatten(leaves, spec)

@@ -1,21 +1,27 @@
-"""FSDP2 training-step time over fsdp_ext (with and without buffers allocated
-from the process group) against gloo, in the same processes.
+"""FSDP2 training step: our fully_shard against upstream's, over gloo and
+over fsdp_ext, in the same processes.
 
-    python benchmarks/fsdp_step.py [--world-size 2] [--steps 30] [--dim 512] [--layers 4]
+    python benchmarks/fsdp_step.py [--world-size 2] [--steps 40] [--models small-blocks,transformer]
 
-Each contender trains its own copy of the same model (same seeds, same data),
-one step each in turn, so host noise hits all alike:
+Contenders (each trains its own copy of the same model, same seeds and data;
+one step each in turn, so host noise hits all alike):
 
-  gloo            upstream fully_shard over gloo
-  fsdp_ext        upstream fully_shard over fsdp_ext
-  fsdp_ext+alloc  the same, with set_allocate_memory_from_process_group_for_comm(True):
-                  all-gather outputs and reduce-scatter buffers come from the group's
-                  shared-memory pool, so peers read them in place
+  upstream/gloo, ours/gloo, upstream/fsdp_ext, ours/fsdp_ext
+  local     the same model unsharded, no FSDP and no communication: the
+            compute every contender also does
 
-The default model is wide and the batch small, so that communication and the
-copies around it are a large part of the step (as in FSDP at scale), not
-hidden behind compute. Reports the median step time of the steps after the
-first third (each step: the slowest rank), and checks that the losses match.
+Models:
+  small-blocks   many small blocks (48 x two 64x64 Linears, batch 8), each its
+                 own FSDP group: runtime overhead dominates the step
+  transformer    examples/tiny_transformer.py, dim 512, 4 layers (12.9M params)
+
+Reported per contender: the median step time (forward, backward, SGD step;
+each step the slowest rank, steps after the first third); "FSDP ms per group"
+= (step - local step) / groups, the time FSDP adds per group per step
+(runtime plus communication; at world size 1 only runtime); and the peak
+memory a training step adds (VmHWM - VmRSS over 3 steps after 2 warm-up steps,
+each contender alone in fresh processes; rank 0). Checks that every
+contender's losses match upstream/gloo's.
 """
 
 import argparse
@@ -30,79 +36,172 @@ from _workers import init_rank, run_ranks
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
+CONTENDERS = ["upstream/gloo", "ours/gloo", "upstream/fsdp_ext", "ours/fsdp_ext"]
 
-def _worker(rank, world, init_file, queue, args):
+
+def build(model_name, contender, gloo):
+    """(model, number of FSDP groups, step function(step, rank) -> loss)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard as upstream_fully_shard
+
+    import torch_fsdp_ext
+    from tiny_transformer import TinyTransformer, batch_for, shard
+
+    torch.manual_seed(0)
+    if model_name == "small-blocks":
+        model = nn.Sequential(*[
+            nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)) for _ in range(48)
+        ])
+        blocks = list(model)
+
+        def data(step, rank):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            return torch.randn(8, 64, generator=g), None
+
+        def loss_fn(out, _):
+            return out.pow(2).mean()
+    else:
+        model = TinyTransformer(dim=512, heads=8, layers=4)
+        blocks = list(model.blocks)
+
+        def data(step, rank):
+            return batch_for(rank, step, batch=1, seq=16)
+
+        def loss_fn(out, targets):
+            return F.cross_entropy(out.flatten(0, 1), targets.flatten())
+
+    groups = 0
+    if contender != "local":
+        impl, backend = contender.split("/")
+        fully_shard = torch_fsdp_ext.fully_shard if impl == "ours" else upstream_fully_shard
+        group = gloo if backend == "gloo" else dist.group.WORLD
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        groups = len(blocks) + 1
+    optim = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(index, rank):
+        inputs, targets = data(index, rank)
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss.item()
+
+    return model, groups, step
+
+
+def _timing_worker(rank, world, init_file, queue, args):
     gloo = init_rank(rank, world, init_file)
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import DeviceMesh
 
-    from tiny_transformer import TinyTransformer, batch_for, shard
-
-    contenders = {"gloo": (gloo, False), "fsdp_ext": (dist.group.WORLD, False),
-                  "fsdp_ext+alloc": (dist.group.WORLD, True)}
-    models, optims = {}, {}
-    for name, (group, allocate) in contenders.items():
-        torch.manual_seed(0)
-        models[name] = shard(TinyTransformer(dim=args.dim, heads=8, layers=args.layers),
-                             DeviceMesh.from_group(group, "cpu"), allocate)
-        optims[name] = torch.optim.SGD(models[name].parameters(), lr=0.01)
-    times = {name: [] for name in models}
-    losses = {name: [] for name in models}
-    for step in range(args.steps):
-        tokens, targets = batch_for(rank, step, batch=args.batch, seq=args.seq)
-        for name, model in models.items():
-            dist.barrier(group=gloo)
-            start = time.perf_counter()
-            loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
-            loss.backward()
-            optims[name].step()
-            optims[name].zero_grad()
-            times[name].append(time.perf_counter() - start)
-            losses[name].append(loss.item())
-    for name in models:
-        t = torch.tensor(times[name], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
-        times[name] = t.tolist()
-    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-    stats = backend._pool_stats()
+    results = {}
+    for model_name in args.models:
+        names = ["local"] + CONTENDERS
+        built = {name: build(model_name, name, gloo) for name in names}
+        times = {name: [] for name in names}
+        losses = {name: [] for name in names}
+        for index in range(args.steps):
+            for name in names:
+                _, _, step = built[name]
+                dist.barrier(group=gloo)
+                start = time.perf_counter()
+                losses[name].append(step(index, rank))
+                times[name].append(time.perf_counter() - start)
+        for name in names:
+            t = torch.tensor(times[name], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
+            times[name] = t.tolist()
+        results[model_name] = {
+            "times": times, "losses": losses,
+            "groups": {name: built[name][1] for name in names},
+            "params": sum(p.numel() for p in built["local"][0].parameters()),
+        }
+        del built
     if rank == 0:
-        params = sum(p.numel() for p in models["gloo"].parameters())
-        queue.put({"times": times, "losses": losses, "pool": stats, "params": params})
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def _rss_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _memory_worker(rank, world, init_file, queue, model_name, contender):
+    gloo = init_rank(rank, world, init_file)
+    import torch.distributed as dist
+
+    _, _, step = build(model_name, contender, gloo)
+    for index in range(2):
+        step(index, rank)
+    dist.barrier(group=gloo)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM (peak RSS) to the current RSS
+    base = _rss_kib("VmRSS")
+    for index in range(2, 5):
+        step(index, rank)
+    peak = _rss_kib("VmHWM")
+    if rank == 0:
+        queue.put((peak - base) / 1024.0)
     dist.destroy_process_group()
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--models", default="small-blocks,transformer")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results",
                                                            "fsdp_step.json"))
     args = parser.parse_args()
-    result = run_ranks(args.world_size, _worker, args)
+    args.models = args.models.split(",")
+    results = run_ranks(args.world_size, _timing_worker, args)
     steady = args.steps // 3
-    medians = {name: statistics.median(t[steady:]) for name, t in result["times"].items()}
-    print(f"{result['params'] / 1e6:.2f}M parameters, {args.world_size} ranks, "
-          f"dim {args.dim}, {args.layers} layers, batch {args.batch}x{args.seq}, "
-          f"median of steps {steady}..{args.steps - 1}")
-    print(f"{'contender':<16}{'step ms':>10}{'vs gloo':>9}{'vs fsdp_ext':>13}{'final loss':>12}")
-    for name, median in medians.items():
-        print(f"{name:<16}{median * 1e3:>10.2f}{medians['gloo'] / median:>8.2f}x"
-              f"{medians['fsdp_ext'] / median:>12.2f}x{result['losses'][name][-1]:>12.5f}")
-    same = result["losses"]["fsdp_ext"] == result["losses"]["fsdp_ext+alloc"]
-    worst = max(abs(a - b) for a, b in zip(result["losses"]["fsdp_ext"], result["losses"]["gloo"]))
-    print(f"losses: fsdp_ext+alloc {'identical to' if same else 'DIFFER from'} fsdp_ext; "
-          f"largest difference to gloo {worst:.2e}")
-    print(f"pool on rank 0: {result['pool']}")
+    for model_name, result in results.items():
+        med = {n: statistics.median(t[steady:]) for n, t in result["times"].items()}
+        result["median_seconds"] = med
+        memory = {}
+        if not args.no_memory:
+            for name in ["local"] + CONTENDERS:
+                memory[name] = run_ranks(args.world_size, _memory_worker, model_name, name)
+        result["peak_step_memory_mib"] = memory
+        ref = result["losses"]["upstream/gloo"]
+        result["max_loss_difference"] = {
+            n: max(abs(a - b) for a, b in zip(l, ref)) for n, l in result["losses"].items()
+        }
+        print(f"\n{model_name}: {result['params'] / 1e6:.2f}M parameters, "
+              f"{result['groups']['ours/gloo']} FSDP groups, {args.world_size} ranks, "
+              f"median of steps {steady}..{args.steps - 1}")
+        print("| contender | step ms | ours vs upstream (same backend) | FSDP ms per group "
+              "| peak step memory MiB | max loss diff vs upstream/gloo |")
+        print("|---|---|---|---|---|---|")
+        for name in ["local"] + CONTENDERS:
+            speedup = ""
+            if name.startswith("ours/"):
+                other = "upstream/" + name.split("/")[1]
+                speedup = f"{med[other] / med[name]:.2f}x faster"
+            per_group = ""
+            if result["groups"][name]:
+                per_group = f"{(med[name] - med['local']) / result['groups'][name] * 1e3:.3f}"
+            mem = f"{memory[name]:.1f}" if name in memory else ""
+            print(f"| {name} | {med[name] * 1e3:.2f} | {speedup} | {per_group} | {mem} "
+                  f"| {result['max_loss_difference'][name]:.1e} |")
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump({"args": vars(args), "median_seconds": medians, **result}, f, indent=1)
-    print(f"wrote {args.output}")
+        json.dump({"args": vars(args), "results": results}, f, indent=1)
+    print(f"\nwrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -44,12 +44,16 @@ def batch_for(rank, step, batch=4, seq=32, vocab=256):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def shard(model, mesh=None, allocate_from_group=False):
-    """Applies upstream fully_shard to each block and to the root (FSDP2's
-    usual wrapping). ``allocate_from_group`` turns on
-    set_allocate_memory_from_process_group_for_comm for every FSDP module."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+def shard(model, mesh=None, allocate_from_group=False, fully_shard=None):
+    """Applies fully_shard to each block and to the root (FSDP2's usual
+    wrapping): upstream's unless ``fully_shard`` is given (e.g.
+    torch_fsdp_ext.fully_shard). ``allocate_from_group`` turns on
+    set_allocate_memory_from_process_group_for_comm for every FSDP module
+    (upstream only)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 
+    fully_shard = fully_shard or upstream_fully_shard
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

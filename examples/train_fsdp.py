@@ -1,6 +1,7 @@
-"""Train a small transformer with upstream FSDP2 (fully_shard) over fsdp_ext.
+"""Train a small transformer with our FSDP2 (torch_fsdp_ext.fully_shard) over fsdp_ext.
 
     torchrun --standalone --nproc-per-node 4 examples/train_fsdp.py [--steps N]
+        [--impl ours|upstream] [--backend fsdp_ext|gloo]
 
 Prints the loss and step time every few steps on rank 0.
 """
@@ -13,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torch_fsdp_ext  # noqa: F401  (registers the fsdp_ext backend)
+import torch_fsdp_ext  # registers the fsdp_ext backend; our fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tiny_transformer import TinyTransformer, batch_for, shard  # noqa: E402
@@ -24,17 +25,21 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--backend", default="fsdp_ext")
+    parser.add_argument("--impl", choices=["ours", "upstream"], default="ours",
+                        help="torch_fsdp_ext.fully_shard or torch.distributed.fsdp.fully_shard")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = shard(TinyTransformer(layers=args.layers))
+    fully_shard = torch_fsdp_ext.fully_shard if args.impl == "ours" else None  # None: upstream
+    model = shard(TinyTransformer(layers=args.layers), fully_shard=fully_shard)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
-        print(f"training {params / 1e6:.2f}M parameters, fully_shard over '{args.backend}', "
+        print(f"training {params / 1e6:.2f}M parameters, {args.impl} fully_shard over "
+              f"'{args.backend}', "
               f"{world} ranks", flush=True)
     times = []
     for step in range(args.steps):

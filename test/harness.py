@@ -10,9 +10,12 @@ must never hang the suite); the next test gets a fresh one.
 """
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
+import signal
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -27,6 +30,8 @@ class RankContext:
 
 
 def _worker_main(rank, world_size, init_file, conn, env):
+    # On a time-out the pool asks every worker for its Python stacks first.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update(env)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("UCX_TLS", "self,sm,tcp")
@@ -83,6 +88,7 @@ class WorkerPool:
     def _receive(self, rank, timeout, what):
         conn = self._conns[rank]
         if not conn.poll(timeout):
+            self.dump_stacks()
             self.kill()
             raise TimeoutError(f"rank {rank} did not answer within {timeout}s ({what})")
         return conn.recv()
@@ -113,6 +119,13 @@ class WorkerPool:
             proc.join(timeout=30)
         self.kill()
         self._tmp.cleanup()
+
+    def dump_stacks(self):
+        """Every live worker prints its threads' Python stacks to stderr."""
+        for proc in self._procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(2)
 
     def kill(self):
         for proc in self._procs:

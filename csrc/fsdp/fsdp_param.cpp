@@ -21,8 +21,12 @@ const py::object& parameter_class() {
   return *cls;
 }
 
+// DTensor.__new__ is torch's C++ constructor; DTensor.__init__ adds nothing
+// but a dynamo-disabled wrapper that costs ~40x the construction itself, and
+// this runs for every gradient of every step.
 py::object make_dtensor(const at::Tensor& local, const py::object& spec) {
-  return dtensor_class()(local, spec, py::arg("requires_grad") = false);
+  static py::object* construct = new py::object(dtensor_class().attr("__new__"));
+  return (*construct)(dtensor_class(), local, spec, py::arg("requires_grad") = false);
 }
 
 at::Tensor unpack(const py::object& tensor) { return THPVariable_Unpack(tensor.ptr()); }

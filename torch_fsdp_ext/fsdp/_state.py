@@ -243,7 +243,8 @@ class FSDPState(_State):
     def _register_pre_backward_hook(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
             return output
-        for leaf in tree_flatten(output)[0]:
+        leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+        for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 leaf.register_hook(self._pre_backward)
         return output
@@ -303,6 +304,13 @@ class FSDPState(_State):
 
 
 def _register_post_backward(group, args: tuple, kwargs: dict):
+    if not kwargs and all(type(a) is torch.Tensor for a in args):
+        # The common case, a few plain tensors: no pytree round trip.
+        if not any(a.requires_grad for a in args):
+            return args, kwargs
+        grad_args = [a for a in args if a.requires_grad]
+        outs = iter(RegisterPostBackwardFunction.apply(group, *grad_args))
+        return tuple(next(outs) if a.requires_grad else a for a in args), kwargs
     leaves, spec = tree_flatten((args, kwargs))
     positions = [
         i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad

@@ -73,10 +73,11 @@ FsdpParam::FsdpParam(std::string fqn, std::vector<ModuleSlot> slots, py::object 
   TORCH_CHECK_VALUE(!slots_.empty(), "fsdp_ext FsdpParam ", fqn_, ": no module holds it");
   TORCH_CHECK_VALUE(padded_sharded_data_.dim() == 1, "fsdp_ext FsdpParam ", fqn_,
                     ": padded sharded data must be 1-D");
-  sharded_tensor_ = unpack(sharded_param_);
   spec_ = sharded_param_.attr("_spec");
   register_on_modules(sharded_param_);
 }
+
+at::Tensor FsdpParam::sharded_tensor() const { return unpack(sharded_param_); }
 
 void FsdpParam::register_on_modules(const py::object& param) {
   for (const ModuleSlot& slot : slots_) {
@@ -166,7 +167,8 @@ at::Tensor FsdpParam::take_unsharded_grad() {
 }
 
 void FsdpParam::accumulate_sharded_grad(const at::Tensor& shard) {
-  at::Tensor& grad = sharded_tensor_.mutable_grad();
+  at::Tensor sharded = sharded_tensor();
+  at::Tensor& grad = sharded.mutable_grad();
   if (grad.defined()) {
     py::object existing = py::reinterpret_steal<py::object>(THPVariable_Wrap(grad));
     unpack(existing.attr("_local_tensor")).add_(shard);
@@ -184,10 +186,7 @@ void FsdpParam::accumulate_sharded_grad(const at::Tensor& shard) {
 void FsdpParam::reset_sharded_param() {
   const ModuleSlot& owner = slots_.front();
   py::object param = py::reinterpret_borrow<py::dict>(owner.parameters)[owner.name];
-  if (!param.is(sharded_param_)) {
-    sharded_param_ = param;
-    sharded_tensor_ = unpack(param);
-  }
+  if (!param.is(sharded_param_)) sharded_param_ = param;
   spec_ = sharded_param_.attr("_spec");
   at::Tensor local = unpack(sharded_param_.attr("_local_tensor"));
   if (local.is_meta()) return;

@@ -81,7 +81,7 @@ class FSDP_EXT_HIDDEN FsdpParam {
   const std::vector<int64_t>& orig_size() const { return orig_size_; }
   const std::vector<int64_t>& sharded_size() const { return sharded_size_; }
   int64_t padded_shard_numel() const { return padded_sharded_data_.numel(); }
-  bool requires_grad() const { return sharded_tensor_.requires_grad(); }
+  bool requires_grad() const { return sharded_tensor().requires_grad(); }
   bool is_meta() const { return padded_sharded_data_.is_meta(); }
   at::ScalarType dtype() const { return padded_sharded_data_.scalar_type(); }
   const py::object& sharded_param() const { return sharded_param_; }
@@ -90,6 +90,10 @@ class FSDP_EXT_HIDDEN FsdpParam {
 
  private:
   void register_on_modules(const py::object& param);
+  // The sharded parameter as a C++ tensor. Not cached: holding a second
+  // reference would make torch.utils.swap_tensors (Module._apply on DTensor
+  // parameters, e.g. to_empty) refuse the swap.
+  at::Tensor sharded_tensor() const;
 
   std::string fqn_;
   std::vector<ModuleSlot> slots_;
@@ -99,7 +103,6 @@ class FSDP_EXT_HIDDEN FsdpParam {
   ShardedState state_ = ShardedState::kSharded;
 
   py::object sharded_param_;  // nn.Parameter(DTensor)
-  at::Tensor sharded_tensor_;  // the same object, as a C++ tensor
   py::object spec_;            // its DTensorSpec, for gradient DTensors
   at::Tensor padded_sharded_data_;  // 1-D
 

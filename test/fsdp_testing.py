@@ -1,0 +1,336 @@
+"""Shared pieces for the fully_shard test files: small models, meshes, the two
+implementations under test, and an event recorder for upstream FSDP2.
+
+Test functions run inside the harness workers, so everything here is plain
+module-level code that the workers import by name.
+
+Two implementations can be exercised by the same checks:
+- ``"ours"``: ``torch_fsdp_ext.fully_shard`` and friends (the subject);
+- ``"upstream"``: ``torch.distributed.fsdp.fully_shard`` (the authority our
+  expectations are verified against).
+``fsdp_api(name)`` returns a namespace with the same attribute names for both.
+For upstream there is no ``trace_fsdp_events``; ``upstream_trace_events`` gives
+the same records by wrapping upstream's param-group methods, following the
+recording conventions of fsdp2-runtime.md section 4.3.
+"""
+
+import contextlib
+import warnings
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IMPLS = ("ours", "upstream")
+
+AG = "c10d._allgather_base_"
+RS = "c10d._reduce_scatter_base_"
+
+
+# --------------------------------------------------------------------------
+# The implementations
+
+
+def fsdp_api(impl):
+    """Namespace of the fully_shard API for ``impl`` ("ours" or "upstream")."""
+    if impl == "ours":
+        import torch_fsdp_ext as pkg
+
+        trace = pkg.trace_fsdp_events
+    elif impl == "upstream":
+        import torch.distributed.fsdp as pkg
+
+        trace = upstream_trace_events
+    else:
+        raise ValueError(impl)
+    return SimpleNamespace(
+        name=impl,
+        fully_shard=pkg.fully_shard,
+        FSDPModule=pkg.FSDPModule,
+        UnshardHandle=pkg.UnshardHandle,
+        register_fsdp_forward_method=pkg.register_fsdp_forward_method,
+        MixedPrecisionPolicy=pkg.MixedPrecisionPolicy,
+        OffloadPolicy=pkg.OffloadPolicy,
+        trace=trace,
+    )
+
+
+@contextlib.contextmanager
+def upstream_trace_events():
+    """Records upstream FSDP2's unshard / reshard / post_backward calls as
+    ``(event, module_fqn, training_state)`` tuples, with the conventions that
+    ``torch_fsdp_ext.trace_fsdp_events`` documents:
+
+    - "unshard": only when no all-gather is pending and the group is not
+      already unsharded, with the group's training state at call time;
+    - "reshard": every call except forward-state calls on a group that does
+      not reshard after forward;
+    - "post_backward": after the call returns, with the state then.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    events = []
+    originals = {
+        name: getattr(FSDPParamGroup, name) for name in ("unshard", "reshard", "post_backward")
+    }
+
+    def unshard(group, *args, **kwargs):
+        if group._all_gather_result is None and group._sharded_state != ShardedState.UNSHARDED:
+            events.append(("unshard", group._module_fqn, group._training_state))
+        return originals["unshard"](group, *args, **kwargs)
+
+    def reshard(group, *args, **kwargs):
+        if not (group._training_state == TrainingState.FORWARD
+                and not group._reshard_after_forward):
+            events.append(("reshard", group._module_fqn, group._training_state))
+        return originals["reshard"](group, *args, **kwargs)
+
+    def post_backward(group, *args, **kwargs):
+        result = originals["post_backward"](group, *args, **kwargs)
+        events.append(("post_backward", group._module_fqn, group._training_state))
+        return result
+
+    FSDPParamGroup.unshard = unshard
+    FSDPParamGroup.reshard = reshard
+    FSDPParamGroup.post_backward = post_backward
+    try:
+        yield events
+    finally:
+        for name, fn in originals.items():
+            setattr(FSDPParamGroup, name, fn)
+
+
+def plain_events(events, kinds=("unshard", "reshard", "post_backward")):
+    """Events as ``(event, fqn, state name)`` tuples, keeping only ``kinds``.
+
+    Comparing state names keeps the checks independent of which enum class an
+    implementation uses."""
+    out = []
+    for ev in events:
+        event, fqn, state = tuple(ev)
+        if event in kinds:
+            out.append((event, fqn, state.name))
+    return out
+
+
+# --------------------------------------------------------------------------
+# Meshes
+
+
+def make_mesh(ctx, backend):
+    """A 1-D CPU mesh over every rank: "default" (None: fully_shard builds it
+    from the default group, fsdp_ext), "fsdp_ext" (init_device_mesh over the
+    default group) or "gloo" (the worker's gloo group)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if backend == "default":
+        return None
+    if backend == "fsdp_ext":
+        return init_device_mesh("cpu", (ctx.world_size,))
+    if backend == "gloo":
+        return DeviceMesh.from_group(ctx.gloo_group, "cpu")
+    raise ValueError(backend)
+
+
+@contextlib.contextmanager
+def counting_comms():
+    """CommDebugMode, without two warnings it provokes: its module tracker's
+    about full backward hooks firing on outputs (inputs are token ids), and
+    upstream FSDP's about a root output that is a view."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        # Under the dispatch mode outputs can look like views to upstream's check.
+        warnings.filterwarnings("ignore", message=".*returned a view tensor")
+        with CommDebugMode() as mode:
+            yield mode
+
+
+def comm_counts(mode):
+    """CommDebugMode counts keyed by op name ("c10d._allgather_base_", ...)."""
+    return {str(op): n for op, n in mode.get_comm_counts().items() if n}
+
+
+# --------------------------------------------------------------------------
+# Models
+
+
+class MLP(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.in_proj = nn.Linear(dim, hidden)
+        self.out_proj = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return F.relu(self.out_proj(F.relu(self.in_proj(x))))
+
+
+class MLPStack(nn.Sequential):
+    """A root Linear (the root's own parameters) followed by ``n`` MLPs."""
+
+    def __init__(self, n=3, dim=10, hidden=24):
+        super().__init__(nn.Linear(dim, dim), *[MLP(dim, hidden) for _ in range(n)])
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        # No bias: the key bias's true gradient is zero (softmax ignores a
+        # per-row shift), so Adam would amplify rounding noise in it.
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, d))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden)
+        self.w2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block. ``checkpoint_inside``: the feed-forward
+    branch runs under torch.utils.checkpoint inside the block's forward."""
+
+    def __init__(self, dim, heads, checkpoint_inside=False):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.ffn_norm = nn.LayerNorm(dim)
+        self.feed_forward = FeedForward(dim, 2 * dim + 4)
+        self.checkpoint_inside = checkpoint_inside
+
+    def _ffn_branch(self, h):
+        return self.feed_forward(self.ffn_norm(h))
+
+    def forward(self, x):
+        h = x + self.attn(self.attn_norm(x))
+        if self.checkpoint_inside:
+            return h + checkpoint(self._ffn_branch, h, use_reentrant=False)
+        return h + self._ffn_branch(h)
+
+
+class TinyLM(nn.Module):
+    """Token ids in, logits ``(batch * seq, vocab)`` out. Root parameters: token and position
+    embeddings, final norm and output projection; blocks in ``layers``.
+
+    ``ac``: None, "outer" (each block call wrapped in torch.utils.checkpoint,
+    so FSDP's hooks run again during recomputation) or "inner" (checkpoint
+    inside each block's forward)."""
+
+    def __init__(self, n_layers=3, vocab=32, dim=16, heads=2, max_seq=8, ac=None):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.pos_embeddings = nn.Embedding(max_seq, dim)
+        self.layers = nn.ModuleList(
+            Block(dim, heads, checkpoint_inside=(ac == "inner")) for _ in range(n_layers)
+        )
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab)
+        self.ac = ac
+        self.vocab = vocab
+        self.max_seq = max_seq
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.shape[1])
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
+        for layer in self.layers:
+            if self.ac == "outer":
+                h = checkpoint(layer, h, use_reentrant=False)
+            else:
+                h = layer(h)
+        # 2-D logits (batch * seq, vocab): a fresh tensor, not a view
+        return self.output(self.norm(h).flatten(0, 1))
+
+
+class DoubleLinear(nn.Module):
+    """Two heads on the same input; returns both outputs."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.lin1 = nn.Linear(dim, dim)
+        self.lin2 = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return F.relu(self.lin1(x)), F.relu(self.lin2(x))
+
+
+def shard_lm(model, api, mesh=None, **kwargs):
+    """fully_shard each block, then the root (FSDP2's usual wrapping)."""
+    for layer in model.layers:
+        api.fully_shard(layer, mesh=mesh, **kwargs)
+    api.fully_shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def shard_stack(model, api, mesh=None, **kwargs):
+    """fully_shard each MLP of an MLPStack, then the root."""
+    for module in model:
+        if isinstance(module, MLP):
+            api.fully_shard(module, mesh=mesh, **kwargs)
+    api.fully_shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def lm_batch(rank, step, vocab=32, batch=2, seq=8):
+    """Per-rank, per-step token ids and next-token targets, following a
+    learnable rule (each token is the previous one plus 1) from random starts."""
+    g = torch.Generator().manual_seed(7919 * step + 104729 * rank + 1)
+    start = torch.randint(0, vocab, (batch, 1), generator=g)
+    tokens = (start + torch.arange(seq + 1)) % vocab
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits, targets.reshape(-1))
+
+
+def mlp_batch(rank, step, dim=10, batch=4):
+    g = torch.Generator().manual_seed(7919 * step + 104729 * rank + 2)
+    return torch.randn(batch, dim, generator=g)
+
+
+# --------------------------------------------------------------------------
+# Checks
+
+
+def average_grads(model, group, world_size):
+    """The data-parallel reference: grads all-reduced (sum) over ``group``
+    and divided by the world size."""
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad, group=group)
+            param.grad.div_(world_size)
+
+
+def assert_params_match(sharded, reference, rtol=1e-5, atol=1e-5, what=""):
+    """Every parameter of ``sharded`` is a DTensor whose full tensor matches
+    the same-named parameter of ``reference`` (a collective over the mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    ref_params = dict(reference.named_parameters())
+    names = [name for name, _ in sharded.named_parameters()]
+    assert names == list(ref_params), (names, list(ref_params))
+    for name, param in sharded.named_parameters():
+        assert isinstance(param, DTensor), f"{what}{name} is {type(param).__name__}, not DTensor"
+        torch.testing.assert_close(
+            param.full_tensor(), ref_params[name].detach(), rtol=rtol, atol=atol,
+            msg=lambda m, name=name: f"{what}{name}: {m}",
+        )
+

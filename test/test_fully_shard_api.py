@@ -1,0 +1,644 @@
+"""The fully_shard API surface of torch_fsdp_ext, checked against upstream FSDP2.
+
+What is checked (each check runs on every rank of a worker pool, for our
+implementation and, where cheap, for torch.distributed.fsdp.fully_shard too,
+so the expectations themselves are known to hold for upstream):
+- the class swap: ``FSDP<Cls>`` with bases ``(FSDPModule, Cls)``, one cached
+  class per original class, submodules untouched, list arguments, slicing an
+  ``nn.Sequential`` giving a plain ``Sequential``;
+- sharded parameters: DTensors placed ``Shard(0)`` on a 1-D mesh whose local
+  shard equals ``distribute_tensor`` of the original, including uneven dim-0
+  sizes (1, 3, 5, 17 over 4 ranks: trailing ranks hold fewer or zero rows);
+- one SGD iteration of an uneven ``Linear(3, 3)`` against a closed form;
+- errors with upstream's types and messages (scalar and non-contiguous
+  parameters, bad ``reshard_after_forward``, applying twice, containers
+  without forward, deepcopy, bad prefetch lists and forward methods, meshes
+  of the wrong shape);
+- ``state_dict()`` / ``load_state_dict()`` with DTensors;
+- torch.optim and ``clip_grad_norm_`` on DTensor gradients;
+- ``register_fsdp_forward_method``;
+- ``unshard(async_op=True)`` + ``wait()``, sync ``unshard()`` and ``reshard()``;
+- world size 1 issues no collectives at all.
+"""
+
+import copy
+import math
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import get_pool
+from fsdp_testing import (
+    IMPLS,
+    MLP,
+    MLPStack,
+    TinyLM,
+    assert_params_match,
+    average_grads,
+    counting_comms,
+    fsdp_api,
+    lm_batch,
+    lm_loss,
+    make_mesh,
+    mlp_batch,
+    shard_lm,
+    shard_stack,
+)
+
+# --------------------------------------------------------------------------
+# Exports
+
+
+def check_exports(ctx):
+    import enum
+
+    import torch.distributed.fsdp as upstream
+    import torch_fsdp_ext
+
+    for name in ("fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
+                 "trace_fsdp_events", "TrainingState"):
+        assert hasattr(torch_fsdp_ext, name), name
+    # The policies are upstream's own classes.
+    for name in ("MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"):
+        assert getattr(torch_fsdp_ext, name) is getattr(upstream, name), name
+    assert torch_fsdp_ext.fully_shard is not upstream.fully_shard
+    assert issubclass(torch_fsdp_ext.TrainingState, enum.Enum)
+    assert [m.name for m in torch_fsdp_ext.TrainingState] == [
+        "FORWARD", "PRE_BACKWARD", "POST_BACKWARD", "IDLE"]
+    return True
+
+
+def test_exports():
+    get_pool(1).run(check_exports)
+
+
+# --------------------------------------------------------------------------
+# Class swap
+
+
+def check_class_swap(ctx, impl):
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    model = MLPStack(n=2)
+    first, second = model[1], model[2]
+    assert api.fully_shard(first) is first
+    api.fully_shard(second)
+    assert api.fully_shard(model) is model
+
+    for module, cls in ((model, MLPStack), (first, MLP), (second, MLP)):
+        assert type(module).__name__ == "FSDP" + cls.__name__, type(module).__name__
+        assert type(module).__bases__ == (api.FSDPModule, cls), type(module).__bases__
+        assert isinstance(module, cls)
+        assert isinstance(module, api.FSDPModule)
+    # One dynamic class per original class.
+    assert type(first) is type(second)
+    # Only the modules passed in are swapped.
+    assert type(model[0]) is nn.Linear
+    assert type(first.in_proj) is nn.Linear and type(first.out_proj) is nn.Linear
+    # Each call's state is found through the module.
+    assert model._get_fsdp_state() is not first._get_fsdp_state()
+
+    # Slicing a swapped Sequential builds the original class.
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    api.fully_shard(seq)
+    assert type(seq).__name__ == "FSDPSequential"
+    sliced = seq[:2]
+    assert type(sliced) is nn.Sequential, type(sliced)
+    assert len(sliced) == 2 and sliced[0] is seq[0]
+
+    # A list shares one state and returns the list.
+    torch.manual_seed(0)
+    pair = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 4))
+    modules = [pair[0], pair[1]]
+    returned = api.fully_shard(modules)
+    assert isinstance(returned, list) and len(returned) == 2
+    assert returned[0] is pair[0] and returned[1] is pair[1]
+    assert type(pair[0]).__name__ == "FSDPLinear"
+    assert pair[0]._get_fsdp_state() is pair[1]._get_fsdp_state()
+    api.fully_shard(pair)
+    out = pair(torch.randn(3, 4))
+    out.sum().backward()
+    for param in pair.parameters():
+        assert param.grad is not None
+    return True
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_class_swap(impl):
+    get_pool(2).run(check_class_swap, impl)
+
+
+# --------------------------------------------------------------------------
+# Sharded parameters
+
+# dim-0 sizes 1, 3, 5, 17 exercise every uneven case on 2 and 4 ranks.
+PARAM_SHAPES = {
+    "a": (17, 3),
+    "b": (5,),
+    "c": (3, 2),
+    "d": (1, 4),
+    "e": (1,),
+    "f": (8, 8),
+}
+
+
+class ParamBag(nn.Module):
+    def __init__(self, frozen=("f",)):
+        super().__init__()
+        for name, shape in PARAM_SHAPES.items():
+            self.register_parameter(
+                name, nn.Parameter(torch.randn(shape), requires_grad=name not in frozen)
+            )
+
+    def forward(self, x):
+        return x * sum(p.sum() for p in self.parameters())
+
+
+def expected_rows(dim0, world_size, rank):
+    """torch.chunk semantics: chunks of ceil(dim0 / ws) rows, trailing ranks
+    get the remainder or nothing."""
+    chunk = math.ceil(dim0 / world_size)
+    return max(0, min(chunk, dim0 - rank * chunk))
+
+
+def check_sharded_params(ctx, impl, backend):
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    model = ParamBag()
+    originals = {name: p.detach().clone() for name, p in model.named_parameters()}
+    mesh = make_mesh(ctx, backend)
+    api.fully_shard(model, mesh=mesh)
+
+    names = [name for name, _ in model.named_parameters()]
+    assert names == list(PARAM_SHAPES), names
+    for name, param in model.named_parameters():
+        orig = originals[name]
+        assert isinstance(param, nn.Parameter), name
+        assert isinstance(param, DTensor), (name, type(param))
+        assert param.placements == (Shard(0),), (name, param.placements)
+        assert param.device_mesh.ndim == 1 and param.device_mesh.size() == ctx.world_size
+        assert param.device_mesh.device_type == "cpu"
+        if mesh is not None:
+            assert param.device_mesh == mesh
+        assert param.shape == orig.shape and param.stride() == orig.stride(), name
+        assert param.requires_grad == (name != "f"), name
+        local = param.to_local()
+        rows = expected_rows(orig.shape[0], ctx.world_size, ctx.rank)
+        assert tuple(local.shape) == (rows, *orig.shape[1:]), (name, local.shape)
+        expected = distribute_tensor(orig, param.device_mesh, [Shard(0)]).to_local()
+        assert torch.equal(local, expected), name
+        assert torch.equal(param.full_tensor(), orig), name
+
+    # The sharded module still trains: the bag's only output depends on
+    # every trainable parameter.
+    out = model(torch.ones(2))
+    out.sum().backward()
+    for name, param in model.named_parameters():
+        if name == "f":
+            assert param.grad is None
+        else:
+            assert isinstance(param.grad, DTensor), name
+            assert param.grad.placements == (Shard(0),)
+            # d(sum(x * S))/dp = sum(x) = 2 per rank, averaged over ranks
+            torch.testing.assert_close(param.grad.full_tensor(), torch.full_like(originals[name], 2.0))
+    return True
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("ws,backend", [(1, "default"), (2, "default"), (2, "gloo"),
+                                        (4, "fsdp_ext"), (4, "gloo")])
+def test_sharded_params_match_distribute_tensor(ws, backend, impl):
+    get_pool(ws).run(check_sharded_params, impl, backend)
+
+
+def check_uneven_one_iteration(ctx, impl):
+    """One iteration of a Linear(3, 3) without bias, each rank feeding its own
+    row: forward output and the SGD-updated weight follow in closed form."""
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3, bias=False)
+    inputs = torch.rand(ctx.world_size, 3)
+    lr = 0.1
+    weight = model.weight.detach().clone()
+    x = inputs[ctx.rank]
+    expected_out = x @ weight.T
+    # loss = sum(W x): dL/dW has every row equal to x; FSDP averages over ranks.
+    expected_weight = weight - lr * inputs.mean(0).expand(3, 3)
+
+    api.fully_shard(model)
+    optim = torch.optim.SGD(model.parameters(), lr=lr)
+    out = model(x)
+    torch.testing.assert_close(out, expected_out)
+    out.sum().backward()
+    optim.step()
+    optim.zero_grad()
+    torch.testing.assert_close(model.weight.full_tensor(), expected_weight)
+    return True
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("ws", [1, 2, 4])
+def test_uneven_one_iteration(ws, impl):
+    get_pool(ws).run(check_uneven_one_iteration, impl)
+
+
+# --------------------------------------------------------------------------
+# Errors
+
+
+class WithScalar(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.scalar_p = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x):
+        return self.lin(x) * self.scalar_p
+
+
+class ListWithForward(nn.ModuleList):
+    def forward(self, x):
+        for module in self:
+            x = module(x)
+        return x
+
+
+def check_errors(ctx, impl):
+    api = fsdp_api(impl)
+    ws = ctx.world_size
+    torch.manual_seed(0)
+
+    with pytest.raises(ValueError, match=re.escape(
+            "Change scalar_p to a 1D tensor with numel equal to 1.")):
+        api.fully_shard(WithScalar())
+
+    lin = nn.Linear(3, 4)
+    lin.weight = nn.Parameter(torch.randn(3, 4).t())
+    assert not lin.weight.is_contiguous()
+    with pytest.raises(NotImplementedError, match="FSDP does not support non-contiguous parameters"):
+        api.fully_shard(lin)
+
+    for bad in ("yes", 1.5):
+        with pytest.raises(ValueError, match="reshard_after_forward should be a bool or an int"):
+            api.fully_shard(nn.Linear(2, 2), reshard_after_forward=bad)
+    for bad in (0, ws + 1, 3 if ws in (2, 4) else -1):
+        message = f"If passing reshard_after_forward as an int, it should be a factor of {ws}, not {bad}"
+        with pytest.raises(ValueError, match=re.escape(message)):
+            api.fully_shard(nn.Linear(2, 2), reshard_after_forward=bad)
+
+    twice = api.fully_shard(nn.Linear(2, 2))
+    with pytest.raises(AssertionError, match=re.escape(
+            "Each distinct composable distributed API can only be applied to a module once.")):
+        api.fully_shard(twice)
+
+    for container in (nn.ModuleList([nn.Linear(2, 2)]), nn.ModuleDict({"a": nn.Linear(2, 2)})):
+        with pytest.raises(ValueError, match="fully_shard does not support containers that do not implement forward"):
+            api.fully_shard(container)
+    # A container class that does implement forward is fine.
+    chain = api.fully_shard(ListWithForward([nn.Linear(2, 2), nn.Linear(2, 2)]))
+    assert type(chain).__name__ == "FSDPListWithForward"
+    chain(torch.randn(1, 2)).sum().backward()
+
+    model = api.fully_shard(nn.Sequential(api.fully_shard(nn.Linear(2, 2)), nn.Linear(2, 2)))
+    with pytest.raises(AssertionError, match="FSDP does not support deepcopy"):
+        copy.deepcopy(model)
+
+    with pytest.raises(ValueError, match="Expects FSDPModule but got"):
+        model.set_modules_to_forward_prefetch([model[1]])
+    with pytest.raises(ValueError, match="Expects FSDPModule but got"):
+        model.set_modules_to_backward_prefetch([model[1]])
+    with pytest.raises(ValueError, match="reshard_after_forward should be a bool"):
+        model.set_reshard_after_forward(2)
+    with pytest.raises(ValueError, match="does not have a method forward_features"):
+        api.register_fsdp_forward_method(model, "forward_features")
+    # Registering on a module that is not an FSDPModule is a no-op.
+    plain = nn.Linear(2, 2)
+    api.register_fsdp_forward_method(plain, "forward")
+    assert "forward" not in plain.__dict__
+    return True
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("ws", [1, 2, 4])
+def test_errors(ws, impl):
+    get_pool(ws).run(check_errors, impl)
+
+
+def check_mesh_errors(ctx, impl):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    api = fsdp_api(impl)
+    mesh_3d = init_device_mesh("cpu", (1, 1, ctx.world_size))
+    with pytest.raises(ValueError, match="fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh"):
+        api.fully_shard(nn.Linear(2, 2), mesh=mesh_3d)
+    mesh_2d = init_device_mesh("cpu", (1, ctx.world_size))
+    with pytest.raises(AssertionError, match="Please init the 2D mesh for HSDP with mesh_dim_names specified"):
+        api.fully_shard(nn.Linear(2, 2), mesh=mesh_2d)
+    return True
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mesh_errors(impl):
+    get_pool(2).run(check_mesh_errors, impl)
+
+
+# --------------------------------------------------------------------------
+# State dict
+
+
+def check_state_dict(ctx, impl, backend):
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    api = fsdp_api(impl)
+    mesh = make_mesh(ctx, backend)
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = MLPStack(n=2)
+        model.register_buffer("scale", torch.arange(3.0) + seed)
+        return model
+
+    model = build(0)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    param_names = [name for name, _ in model.named_parameters()]  # ordered: full_tensor() is a collective
+    shard_stack(model, api, mesh)
+
+    saved = model.state_dict()
+    assert list(saved) == list(before), (list(saved), list(before))
+    for key, value in saved.items():
+        if key in param_names:
+            assert isinstance(value, DTensor), key
+            assert value.placements == (Shard(0),), key
+            assert torch.equal(value.full_tensor(), before[key]), key
+        else:
+            assert not isinstance(value, DTensor) and torch.equal(value, before[key]), key
+
+    # Load other values, given as DTensors sharded the same way.
+    other = build(1)
+    param_mesh = next(model.parameters()).device_mesh
+    to_load = {}
+    for key, value in other.state_dict().items():
+        if key in param_names:
+            to_load[key] = distribute_tensor(value.detach().clone(), param_mesh, [Shard(0)])
+        else:
+            to_load[key] = value.clone()
+    model.load_state_dict(to_load)
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor), name
+        assert torch.equal(param.full_tensor(), dict(other.named_parameters())[name].detach()), name
+    assert torch.equal(model.scale, other.scale)
+
+    # The loaded model computes what the plain one computes, and trains.
+    x = mlp_batch(ctx.rank, 0)
+    out = model(x)
+    torch.testing.assert_close(out, other(x))
+    out.sum().backward()
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and isinstance(param.grad, DTensor), name
+
+    # state_dict() while parameters are unsharded (no reshard after forward)
+    # still gives sharded DTensors.
+    model = build(2)
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    shard_stack(model, api, mesh, reshard_after_forward=False)
+    with torch.no_grad():
+        model(x)
+    assert not isinstance(model[1].in_proj.weight, DTensor)
+    saved = model.state_dict()
+    for key in param_names:
+        assert isinstance(saved[key], DTensor), key
+        assert torch.equal(saved[key].full_tensor(), expected[key]), key
+    return True
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("ws,backend", [(1, "default"), (2, "default"), (4, "gloo")])
+def test_state_dict_round_trip(ws, backend, impl):
+    get_pool(ws).run(check_state_dict, impl, backend)
+
+
+# --------------------------------------------------------------------------
+# Optimizer and gradient clipping
+
+
+def check_optim_and_clip(ctx, impl):
+    from torch.distributed.tensor import DTensor, Shard
+
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    model = MLPStack(n=2)
+    ref = copy.deepcopy(model)
+    shard_stack(model, api)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    max_norm = 0.05
+    for step in range(4):
+        x = mlp_batch(ctx.rank, step)
+        ref_loss = ref(x).pow(2).sum()
+        ref_loss.backward()
+        average_grads(ref, ctx.gloo_group, ctx.world_size)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        assert ref_norm > max_norm  # clipping is active
+
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        torch.testing.assert_close(loss, ref_loss)
+        if step == 0:
+            for name, param in model.named_parameters():
+                assert isinstance(param.grad, DTensor), name
+                assert param.grad.placements == (Shard(0),), name
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-6)
+        if step == 0:
+            ref_grads = dict(ref.named_parameters())
+            for name, param in model.named_parameters():
+                torch.testing.assert_close(param.grad.full_tensor(), ref_grads[name].grad,
+                                           rtol=1e-5, atol=1e-6)
+        optim.step()
+        ref_optim.step()
+        optim.zero_grad(set_to_none=(step % 2 == 0))
+        ref_optim.zero_grad(set_to_none=(step % 2 == 0))
+    assert_params_match(model, ref)
+    return True
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("ws", [1, 2, 4])
+def test_optimizer_and_clip_grad_norm(ws, impl):
+    get_pool(ws).run(check_optim_and_clip, impl)
+
+
+# --------------------------------------------------------------------------
+# register_fsdp_forward_method
+
+
+class WithFeatures(nn.Module):
+    """``forward_features`` uses the root's own ``proj_in`` and the FSDP child
+    ``encoder``; ``forward`` adds the head."""
+
+    def __init__(self, dim=10):
+        super().__init__()
+        self.proj_in = nn.Linear(dim, dim)
+        self.encoder = MLP(dim, 24)
+        self.head = nn.Linear(dim, 3)
+
+    def forward_features(self, x):
+        return self.encoder(self.proj_in(x))
+
+    def forward(self, x):
+        # Not through forward_features: a registered method called from
+        # forward would run FSDP's hooks twice (nested).
+        return self.head(self.encoder(self.proj_in(x)))
+
+
+def check_register_forward_method(ctx, impl):
+    from torch.distributed.tensor import DTensor
+
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    model = WithFeatures()
+    ref = copy.deepcopy(model)
+    api.fully_shard(model.encoder)
+    api.fully_shard(model, reshard_after_forward=True)
+    api.register_fsdp_forward_method(model, "forward_features")
+
+    for step in range(2):
+        x = mlp_batch(ctx.rank, step)
+        out = model.forward_features(x)
+        ref_out = ref.forward_features(x)
+        torch.testing.assert_close(out, ref_out)
+        # The root resharded after the registered method (like after forward).
+        assert isinstance(model.proj_in.weight, DTensor)
+        out.sum().backward()
+        ref_out.sum().backward()
+        average_grads(ref, ctx.gloo_group, ctx.world_size)
+        ref_params = dict(ref.named_parameters())
+        for name, param in model.named_parameters():
+            assert isinstance(param, DTensor), name
+            if name.startswith("head."):
+                assert param.grad is None and ref_params[name].grad is None, name
+            else:
+                torch.testing.assert_close(param.grad.full_tensor(), ref_params[name].grad,
+                                           rtol=1e-5, atol=1e-6)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    # forward itself still works alongside the registered method.
+    x = mlp_batch(ctx.rank, 9)
+    torch.testing.assert_close(model(x), ref(x))
+    return True
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("ws", [1, 2])
+def test_register_fsdp_forward_method(ws, impl):
+    get_pool(ws).run(check_register_forward_method, impl)
+
+
+# --------------------------------------------------------------------------
+# Explicit unshard / reshard
+
+
+def check_unshard_reshard(ctx, impl):
+    from torch.distributed.tensor import DTensor
+
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    model = MLPStack(n=2)
+    ref = copy.deepcopy(model)
+    ref_params = dict(ref.named_parameters())
+    shard_stack(model, api)
+
+    def assert_unsharded(module, prefix):
+        for name, param in module.named_parameters(prefix=prefix):
+            assert not isinstance(param, DTensor), name
+            assert torch.equal(param.detach(), ref_params[name].detach()), name
+
+    def assert_sharded(module):
+        for name, param in module.named_parameters():
+            assert isinstance(param, DTensor), name
+
+    # Before any forward: async unshard of the root only (not recursive).
+    handle = model.unshard(async_op=True)
+    assert isinstance(handle, api.UnshardHandle)
+    handle.wait()
+    handle.wait()  # a second wait is harmless
+    assert_unsharded(model[0], "0")
+    assert_sharded(model[1])
+    assert_sharded(model[2])
+    model.reshard()
+    assert_sharded(model)
+
+    # Synchronous unshard returns None and leaves the module unsharded.
+    assert model[1].unshard() is None
+    assert_unsharded(model[1], "1")
+    model[1].reshard()
+    assert_sharded(model)
+
+    # Unshard, then train: forward finds the root already unsharded.
+    assert model.unshard(async_op=True) is not None
+    x = mlp_batch(ctx.rank, 0)
+    out = model(x)
+    ref_out = ref(x)
+    torch.testing.assert_close(out, ref_out)
+    out.sum().backward()
+    ref_out.sum().backward()
+    average_grads(ref, ctx.gloo_group, ctx.world_size)
+    assert_sharded(model)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad.full_tensor(), ref_params[name].grad,
+                                   rtol=1e-5, atol=1e-6)
+    return True
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("ws", [1, 2, 4])
+def test_unshard_and_reshard(ws, impl):
+    get_pool(ws).run(check_unshard_reshard, impl)
+
+
+# --------------------------------------------------------------------------
+# World size 1
+
+
+def check_world_size_one(ctx, impl, backend):
+    from torch.distributed.tensor import DTensor
+
+    assert ctx.world_size == 1
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    model = TinyLM(n_layers=2)
+    ref = copy.deepcopy(model)
+    for raf in (True, False, None):
+        model = copy.deepcopy(ref)
+        shard_lm(model, api, make_mesh(ctx, backend), reshard_after_forward=raf)
+        for param in model.parameters():
+            assert isinstance(param, DTensor)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        # One CommDebugMode per phase (its module tracker expects that).
+        for step in range(2):
+            tokens, targets = lm_batch(ctx.rank, step)
+            with counting_comms() as forward_mode:
+                loss = lm_loss(model(tokens), targets)
+            with counting_comms() as backward_mode:
+                loss.backward()
+            with counting_comms() as step_mode:
+                optim.step()
+                optim.zero_grad()
+                model.unshard()
+                model.reshard()
+            for mode in (forward_mode, backward_mode, step_mode):
+                assert mode.get_total_counts() == 0, (raf, step, mode.get_comm_counts())
+    return True
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("backend", ["default", "gloo"])
+def test_world_size_one_issues_no_collectives(backend, impl):
+    get_pool(1).run(check_world_size_one, impl, backend)

@@ -1,0 +1,344 @@
+"""The runtime behaviours the seed scenarios leave implicit: unsharded memory
+is released on reshard (the storage, not the tensors autograd saved),
+gradient accumulation without sync, unshard_in_backward, meta-device init,
+ignored parameters, a dtype change after wrapping, recovery with
+reset_iter_state after an exception mid-forward, nested traces, and clear
+errors for the features this release does not implement.
+
+Where upstream supports the same thing, a check runs on both implementations
+so its expectation is the reference's behaviour."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from conftest import get_pool
+from fsdp_testing import (
+    AG, IMPLS, MLP, RS, MLPStack, assert_params_match, average_grads, comm_counts,
+    counting_comms, fsdp_api, mlp_batch, shard_stack,
+)
+
+
+def storage_bytes(tensor):
+    return tensor.untyped_storage().nbytes()
+
+
+# --------------------------------------------------------------------------
+# Memory: reshard releases the unsharded storage
+
+
+def check_unsharded_storage_released(ctx):
+    import torch_fsdp_ext
+
+    torch.manual_seed(0)
+    model = shard_stack(MLPStack(n=3, dim=16, hidden=32), fsdp_api("ours"))
+    mlp = model[1]
+    group = mlp._get_fsdp_state()._fsdp_param_group
+    loss = model(mlp_batch(ctx.rank, 0, dim=16)).sum()
+    # After forward the block is resharded: its modules hold DTensors and the
+    # unsharded parameters (kept for autograd) have no storage bytes.
+    assert isinstance(mlp.in_proj.weight, DTensor)
+    assert group.sharded_state == torch_fsdp_ext.ShardedState.SHARDED.value
+    unsharded = [p.unsharded_param for p in group.params]
+    assert all(storage_bytes(t) == 0 for t in unsharded), [storage_bytes(t) for t in unsharded]
+    # The root keeps its parameters after forward (reshard_after_forward=None).
+    root_group = model._get_fsdp_state()._fsdp_param_group
+    assert all(storage_bytes(p.unsharded_param) > 0 for p in root_group.params)
+    loss.backward()
+    # Backward re-gathered into the same tensors and released them again.
+    assert [p.unsharded_param for p in group.params] == unsharded
+    assert all(storage_bytes(t) == 0 for t in unsharded)
+    assert all(storage_bytes(p.unsharded_param) == 0 for p in root_group.params)
+    # Between steps only the padded shards hold parameter memory.
+    for p in group.params:
+        assert storage_bytes(p.padded_sharded_data) == p.padded_sharded_data.numel() * 4
+    return True
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_unsharded_storage_released(ws):
+    get_pool(ws).run(check_unsharded_storage_released)
+
+
+# --------------------------------------------------------------------------
+# Gradient accumulation without communication
+
+
+def check_gradient_accumulation(ctx, impl, reshard_after_backward):
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    model = MLPStack(n=3)
+    ref = copy.deepcopy(model)
+    shard_stack(model, api)
+    microbatches = 3
+    counts = []
+    for micro in range(microbatches):
+        last = micro == microbatches - 1
+        model.set_requires_gradient_sync(last)
+        # Keeping parameters unsharded between microbatches saves their
+        # all-gathers; the last one reshards so the optimizer sees DTensors.
+        model.set_reshard_after_backward(reshard_after_backward or last)
+        x = mlp_batch(ctx.rank, micro)
+        with counting_comms() as mode:
+            model(x).pow(2).sum().backward()
+        counts.append(comm_counts(mode))
+        ref(x).pow(2).sum().backward()
+    average_grads(ref, ctx.gloo_group, ctx.world_size)
+    for name, param in model.named_parameters():
+        ref_grad = dict(ref.named_parameters())[name].grad
+        torch.testing.assert_close(param.grad.full_tensor(), ref_grad, rtol=1e-5, atol=1e-5)
+    return counts
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("reshard_after_backward", [True, False])
+def test_gradient_accumulation_without_sync(impl, reshard_after_backward):
+    counts = get_pool(2).run(check_gradient_accumulation, impl, reshard_after_backward)[0]
+    # Root + 3 MLPs; the MLPs reshard after forward (the root keeps its
+    # parameters), so each microbatch gathers them in forward and again in
+    # backward, unless backward left them unsharded: then forward needs no
+    # all-gather. Only the last microbatch reduce-scatters, once per group.
+    if reshard_after_backward:
+        assert counts == [{AG: 7}, {AG: 7}, {AG: 7, RS: 4}], counts
+    else:
+        assert counts == [{AG: 7}, {AG: 3}, {AG: 3, RS: 4}], counts
+
+
+# --------------------------------------------------------------------------
+# unshard_in_backward(False): a module whose backward needs no weights
+
+
+class EmbedThenLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens))
+
+
+def check_unshard_in_backward(ctx, impl):
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    model = EmbedThenLinear()
+    ref = copy.deepcopy(model)
+    api.fully_shard(model.embed)
+    api.fully_shard(model)
+    model.embed.set_unshard_in_backward(False)
+    tokens = torch.arange(6).reshape(2, 3) + ctx.rank
+    model(tokens).sum()  # lazy init outside the counted region
+    model.zero_grad()
+    with counting_comms() as mode:
+        loss = model(tokens).sum()
+    with counting_comms() as backward_mode:
+        loss.backward()
+    ref(tokens).sum().backward()
+    average_grads(ref, ctx.gloo_group, ctx.world_size)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad.full_tensor(), dict(ref.named_parameters())[name].grad)
+    return comm_counts(mode), comm_counts(backward_mode)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_unshard_in_backward_false(impl):
+    forward, backward = get_pool(2).run(check_unshard_in_backward, impl)[0]
+    # The root kept its parameters from the warm-up forward (reshard after
+    # forward defaults to False on the root); only the embedding gathers,
+    # and backward does not re-gather it.
+    assert forward == {AG: 1}, forward
+    assert backward == {RS: 2}, backward
+
+
+# --------------------------------------------------------------------------
+# Meta-device init
+
+
+def check_meta_init(ctx, impl):
+    api = fsdp_api(impl)
+    with torch.device("meta"):
+        model = MLPStack(n=2)
+    shard_stack(model, api)
+    for param in model.parameters():
+        assert isinstance(param, DTensor) and param.device.type == "meta"
+    with pytest.raises(RuntimeError, match="FSDP parameters should be materialized from meta "
+                       "device before training, but the following were still on meta device"):
+        model(mlp_batch(ctx.rank, 0))
+    # Materialise, then give every parameter a known full value.
+    torch.manual_seed(0)
+    ref = MLPStack(n=2)
+    model = MLPStack(n=2).to("meta")
+    shard_stack(model, api)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+            rows = param.to_local().shape[0]
+            chunk = -(-ref_param.shape[0] // ctx.world_size)
+            start = min(ctx.rank * chunk, ref_param.shape[0])
+            param.to_local().copy_(ref_param[start:start + rows])
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x = mlp_batch(ctx.rank, step)
+        model(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        average_grads(ref, ctx.gloo_group, ctx.world_size)
+        optim.step(); optim.zero_grad()
+        ref_optim.step(); ref_optim.zero_grad()
+    assert_params_match(model, ref)
+    return True
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("ws", [2, 4])
+def test_meta_device_init(ws, impl):
+    get_pool(ws).run(check_meta_init, impl)
+
+
+# --------------------------------------------------------------------------
+# Ignored parameters and a dtype change after wrapping
+
+
+def check_ignored_params(ctx, impl):
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    model = MLPStack(n=2)
+    ignored = model[1].out_proj.weight
+    shard_stack(model, api, ignored_params={ignored})
+    assert model[1].out_proj.weight is ignored and not isinstance(ignored, DTensor)
+    assert isinstance(model[1].out_proj.bias, DTensor)
+    model(mlp_batch(ctx.rank, 0)).sum().backward()
+    # Not reduced: every rank keeps the gradient of its own batch.
+    grads = [torch.empty_like(ignored.grad) for _ in range(ctx.world_size)]
+    torch.distributed.all_gather(grads, ignored.grad, group=ctx.gloo_group)
+    assert not all(torch.equal(grads[0], g) for g in grads[1:])
+    return True
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_ignored_params(impl):
+    get_pool(2).run(check_ignored_params, impl)
+
+
+def check_dtype_change(ctx, impl):
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    model = MLPStack(n=2)
+    ref = copy.deepcopy(model).double()
+    shard_stack(model, api)
+    model.to(torch.float64)
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and param.dtype == torch.float64, name
+        assert param.to_local().dtype == torch.float64, name
+    x = mlp_batch(ctx.rank, 0).double()
+    model(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    average_grads(ref, ctx.gloo_group, ctx.world_size)
+    for name, param in model.named_parameters():
+        assert param.grad.dtype == torch.float64, name
+        torch.testing.assert_close(param.grad.full_tensor(), dict(ref.named_parameters())[name].grad)
+    return True
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dtype_change_after_fully_shard(impl):
+    get_pool(2).run(check_dtype_change, impl)
+
+
+# --------------------------------------------------------------------------
+# reset_iter_state after an exception, nested traces
+
+
+class Flaky(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(10, 10)
+        self.fail = False
+
+    def forward(self, x):
+        if self.fail:
+            raise ValueError("injected failure")
+        return self.lin(x)
+
+
+def check_reset_iter_state(ctx):
+    import torch_fsdp_ext
+
+    torch.manual_seed(0)
+    model = nn.Sequential(MLP(10, 24), Flaky(), MLP(10, 24))
+    ref = copy.deepcopy(model)
+    for module in model:
+        torch_fsdp_ext.fully_shard(module)
+    torch_fsdp_ext.fully_shard(model)
+    model[1].fail = True
+    with pytest.raises(ValueError, match="injected failure"):
+        model(mlp_batch(ctx.rank, 0))
+    model.reset_iter_state()
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor), name
+    model[1].fail = ref[1].fail = False
+    x = mlp_batch(ctx.rank, 1)
+    model(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    average_grads(ref, ctx.gloo_group, ctx.world_size)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad.full_tensor(), dict(ref.named_parameters())[name].grad)
+    with pytest.raises(RuntimeError, match="must be called on the root"):
+        model[0].reset_iter_state()
+    return True
+
+
+def test_reset_iter_state_after_exception():
+    get_pool(2).run(check_reset_iter_state)
+
+
+def check_nested_traces(ctx):
+    import torch_fsdp_ext
+
+    torch.manual_seed(0)
+    model = shard_stack(MLPStack(n=2), fsdp_api("ours"))
+    with torch_fsdp_ext.trace_fsdp_events() as outer:
+        model(mlp_batch(ctx.rank, 0)).sum().backward()
+        with torch_fsdp_ext.trace_fsdp_events() as inner:
+            model(mlp_batch(ctx.rank, 1))
+    with torch_fsdp_ext.trace_fsdp_events() as after:
+        pass
+    forward_events = [e for e in outer if e.training_state == torch_fsdp_ext.TrainingState.FORWARD]
+    assert [e.event for e in inner] == [e.event for e in forward_events], (inner, outer)
+    assert all(e.event != "post_backward" for e in inner)
+    assert any(e.event == "post_backward" for e in outer) and after == []
+    return True
+
+
+def test_nested_traces():
+    get_pool(2).run(check_nested_traces)
+
+
+# --------------------------------------------------------------------------
+# Not implemented yet: clear errors, not silent differences
+
+
+def check_not_implemented(ctx):
+    import torch_fsdp_ext
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    from torch.distributed.tensor import Shard
+
+    cases = [
+        (dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)), "MixedPrecisionPolicy"),
+        (dict(offload_policy=CPUOffloadPolicy()), "CPUOffloadPolicy"),
+        (dict(shard_placement_fn=lambda p: Shard(0)), "shard_placement_fn"),
+    ]
+    for kwargs, what in cases:
+        with pytest.raises(NotImplementedError, match=what):
+            torch_fsdp_ext.fully_shard(nn.Linear(4, 4), **kwargs)
+    model = torch_fsdp_ext.fully_shard(nn.Linear(4, 4))
+    with pytest.raises(NotImplementedError, match="set_custom_all_gather"):
+        model.set_custom_all_gather(None)
+    return True
+
+
+def test_not_implemented_features_raise():
+    get_pool(2).run(check_not_implemented)

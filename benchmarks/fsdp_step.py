@@ -7,6 +7,8 @@ Contenders (each trains its own copy of the same model, same seeds and data;
 one step each in turn, so host noise hits all alike):
 
   upstream/gloo, ours/gloo, upstream/fsdp_ext, ours/fsdp_ext
+  .../fsdp_ext+alloc  with set_allocate_memory_from_process_group_for_comm(True):
+            communication buffers from the group's shared-memory pool
   local     the same model unsharded, no FSDP and no communication: the
             compute every contender also does
 
@@ -36,7 +38,8 @@ from _workers import init_rank, run_ranks
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-CONTENDERS = ["upstream/gloo", "ours/gloo", "upstream/fsdp_ext", "ours/fsdp_ext"]
+CONTENDERS = ["upstream/gloo", "ours/gloo", "upstream/fsdp_ext", "ours/fsdp_ext",
+              "upstream/fsdp_ext+alloc", "ours/fsdp_ext+alloc"]
 
 
 def build(model_name, contender, gloo):
@@ -80,9 +83,10 @@ def build(model_name, contender, gloo):
         fully_shard = torch_fsdp_ext.fully_shard if impl == "ours" else upstream_fully_shard
         group = gloo if backend == "gloo" else dist.group.WORLD
         mesh = DeviceMesh.from_group(group, "cpu")
-        for block in blocks:
+        for block in blocks + [model]:
             fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            if backend.endswith("+alloc"):
+                block.set_allocate_memory_from_process_group_for_comm(True)
         groups = len(blocks) + 1
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
 

@@ -48,9 +48,7 @@ def shard(model, mesh=None, allocate_from_group=False, fully_shard=None):
     """Applies fully_shard to each block and to the root (FSDP2's usual
     wrapping): upstream's unless ``fully_shard`` is given (e.g.
     torch_fsdp_ext.fully_shard). ``allocate_from_group`` turns on
-    set_allocate_memory_from_process_group_for_comm for every FSDP module
-    (upstream only)."""
-    from torch.distributed.fsdp import FSDPModule
+    set_allocate_memory_from_process_group_for_comm for every FSDP module."""
     from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 
     fully_shard = fully_shard or upstream_fully_shard
@@ -59,6 +57,6 @@ def shard(model, mesh=None, allocate_from_group=False, fully_shard=None):
     fully_shard(model, mesh=mesh)
     if allocate_from_group:
         for module in model.modules():
-            if isinstance(module, FSDPModule):
+            if hasattr(module, "set_allocate_memory_from_process_group_for_comm"):
                 module.set_allocate_memory_from_process_group_for_comm(True)
     return model

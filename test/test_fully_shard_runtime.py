@@ -342,3 +342,47 @@ def check_not_implemented(ctx):
 
 def test_not_implemented_features_raise():
     get_pool(2).run(check_not_implemented)
+
+
+# --------------------------------------------------------------------------
+# Communication buffers allocated from the process group
+
+
+def check_allocation_from_group(ctx, backend):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    torch.manual_seed(0)
+    model = MLPStack(n=2)
+    ref = copy.deepcopy(model)
+    group = dist.group.WORLD if backend == "fsdp_ext" else ctx.gloo_group
+    shard_stack(model, fsdp_api("ours"), DeviceMesh.from_group(group, "cpu"))
+    for module in model.modules():
+        if hasattr(module, "set_allocate_memory_from_process_group_for_comm"):
+            module.set_allocate_memory_from_process_group_for_comm(True)
+    pool = dist.group.WORLD._get_backend(torch.device("cpu"))
+    before = pool._pool_stats()["allocations"] + pool._pool_stats()["reuses"]
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x = mlp_batch(ctx.rank, step)
+        model(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        average_grads(ref, ctx.gloo_group, ctx.world_size)
+        optim.step(); optim.zero_grad()
+        ref_optim.step(); ref_optim.zero_grad()
+    assert_params_match(model, ref)
+    after = pool._pool_stats()["allocations"] + pool._pool_stats()["reuses"]
+    return after - before
+
+
+@pytest.mark.parametrize("backend", ["fsdp_ext", "gloo"])
+def test_allocation_from_group(backend):
+    taken = get_pool(2).run(check_allocation_from_group, backend)
+    if backend == "fsdp_ext":
+        # Every all-gather output and reduce-scatter buffer came from the pool:
+        # per step 3 groups x (forward AG) + 2 x (backward AG) + 3 x (RS in, out).
+        assert all(n >= 3 * (3 + 2 + 6) for n in taken), taken
+    else:
+        # gloo has no allocator: ordinary memory, same numbers.
+        assert all(n == 0 for n in taken), taken

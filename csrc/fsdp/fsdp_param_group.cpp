@@ -79,7 +79,7 @@ void FsdpParamGroup::unshard() {
       pending.split_sizes.push_back(inputs.back().numel());
       input_numel += inputs.back().numel();
     }
-    pending.output = at::empty({input_numel * pending.world_size}, inputs.front().options());
+    pending.output = comm_buffer(*group, input_numel * pending.world_size, inputs.front().options());
     at::Tensor input =
         all_gather_copy_in(inputs, pending.output, group->getRank(), pending.world_size);
     pending.work = all_gather_flat(*group, pending.output, input);
@@ -219,15 +219,26 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
     row_numel += params[i]->padded_shard_numel();
   }
   PendingReduce reduce;
-  reduce.input = at::empty({row_numel * world}, grads.front().options());
+  reduce.input = comm_buffer(*shard_group_, row_numel * world, grads.front().options());
   reduce_scatter_copy_in(grads, world, reduce.input);
   grads.clear();  // the unsharded gradients are no longer needed
   if (factors.pre_multiply) reduce.input.mul_(*factors.pre_multiply);
-  reduce.output = at::empty({row_numel}, reduce.input.options());
+  reduce.output = comm_buffer(*shard_group_, row_numel, reduce.input.options());
   reduce.work = reduce_scatter_flat(*shard_group_, reduce.output, reduce.input);
   reduce.post_divide = factors.post_divide;
   reduce.params = std::move(params);
   comm_->add_reduce(std::move(reduce));
+}
+
+at::Tensor FsdpParamGroup::comm_buffer(c10d::ProcessGroup& group, int64_t numel,
+                                       const at::TensorOptions& options) const {
+  if (options_.allocate_from_group) {
+    c10::intrusive_ptr<c10d::Backend> backend = group.getBackend(options.device().type());
+    if (backend->supportsTensorAlloc(options.device().index())) {
+      return backend->allocateTensor(numel, options);
+    }
+  }
+  return at::empty({numel}, options);
 }
 
 void FsdpParamGroup::finalize_backward() {

@@ -40,6 +40,11 @@ struct GroupOptions {
   bool reshard_after_backward = true;
   bool unshard_in_backward = true;
   std::optional<double> gradient_divide_factor;
+  // All-gather outputs and reduce-scatter buffers come from the process
+  // group's allocator where its backend has one (fsdp_ext on one host: peers
+  // read them in place), as upstream's
+  // set_allocate_memory_from_process_group_for_comm.
+  bool allocate_from_group = false;
 };
 
 class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpParamGroup> {
@@ -105,6 +110,8 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   void backward_prefetch();
   void reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> params,
                         std::vector<at::Tensor> grads);
+  at::Tensor comm_buffer(c10d::ProcessGroup& group, int64_t numel,
+                         const at::TensorOptions& options) const;
 
   std::vector<std::shared_ptr<FsdpParam>> params_;
   ProcessGroupPtr shard_group_;

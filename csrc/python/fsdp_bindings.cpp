@@ -131,6 +131,9 @@ void bind_fsdp_runtime(py::module_& m) {
           "unshard_in_backward", [](FsdpParamGroup& g) { return g.options().unshard_in_backward; },
           [](FsdpParamGroup& g, bool v) { g.options().unshard_in_backward = v; })
       .def_property(
+          "allocate_from_group", [](FsdpParamGroup& g) { return g.options().allocate_from_group; },
+          [](FsdpParamGroup& g, bool v) { g.options().allocate_from_group = v; })
+      .def_property(
           "gradient_divide_factor",
           [](FsdpParamGroup& g) { return g.options().gradient_divide_factor; },
           [](FsdpParamGroup& g, std::optional<double> v) { g.options().gradient_divide_factor = v; });

@@ -58,6 +58,12 @@ def fully_shard(
     state = fully_shard.state(roots[0])
     state.init(roots, device, auto_reshard)
     if params:
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise NotImplementedError(
+                "torch_fsdp_ext.fully_shard: parameters of one fully_shard call must share a "
+                f"dtype (got {sorted(str(d) for d in dtypes)}); wrap them separately"
+            )
         slots = _init.module_slots(params, roots)
         fsdp_params = [
             _init.shard_param(p, mesh, f"{type(s[0][0]).__name__}.{s[0][1]}", s)
@@ -214,6 +220,14 @@ class FSDPModule:
         # so both settings give the same collectives and numbers.
         self._get_fsdp_state()._force_sum_reduction_for_comms = enable
 
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """All-gather outputs and reduce-scatter buffers come from the process
+        group's allocator where its backend has one (fsdp_ext on one host:
+        peers read them in place, no staging copy); else ordinary memory."""
+        group = self._group()
+        if group is not None:
+            group.allocate_from_group = enable
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         group = self._group()
         if group is not None:
@@ -250,8 +264,6 @@ class FSDPModule:
     set_custom_all_gather = _not_supported("set_custom_all_gather")
     set_custom_reduce_scatter = _not_supported("set_custom_reduce_scatter")
     set_all_reduce_hook = _not_supported("set_all_reduce_hook")
-    set_allocate_memory_from_process_group_for_comm = _not_supported(
-        "set_allocate_memory_from_process_group_for_comm")
     set_reduce_scatter_unused_params = _not_supported("set_reduce_scatter_unused_params")
     set_reduce_scatter_max_input_buffers = _not_supported("set_reduce_scatter_max_input_buffers")
     set_separate_reduce_scatter_group = _not_supported("set_separate_reduce_scatter_group")

@@ -12,7 +12,8 @@
 namespace fsdp_ext::fsdp {
 
 // One flat all_gather_into_tensor / reduce_scatter_tensor (SUM) through the
-// c10d ProcessGroup API, returned un-waited.
+// c10d ProcessGroup API, returned un-waited. Both release the GIL while they
+// enqueue (see group_collectives.cpp).
 c10::intrusive_ptr<c10d::Work> all_gather_flat(c10d::ProcessGroup& group, at::Tensor& output,
                                                at::Tensor& input);
 c10::intrusive_ptr<c10d::Work> reduce_scatter_flat(c10d::ProcessGroup& group, at::Tensor& output,

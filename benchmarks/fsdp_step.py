@@ -169,6 +169,36 @@ def _memory_worker(rank, world, init_file, queue, model_name, contender):
     dist.destroy_process_group()
 
 
+def markdown_tables(run):
+    """The markdown tables of one run (its JSON), as docs/benchmarks.md shows them."""
+    args = run["args"]
+    steady = args["steps"] // 3
+    out = []
+    for model_name, result in run["results"].items():
+        med = result["median_seconds"]
+        memory = result["peak_step_memory_mib"]
+        out.append(f"{model_name}: {result['params'] / 1e6:.2f}M parameters, "
+                   f"{result['groups']['ours/gloo']} FSDP groups, {args['world_size']} ranks, "
+                   f"median of steps {steady}..{args['steps'] - 1}\n")
+        out.append("| contender | step ms | ours vs upstream (same backend) | FSDP ms per group "
+                   "| training peak MiB | max loss diff vs upstream/gloo |")
+        out.append("|---|---:|---:|---:|---:|---:|")
+        for name in ["local"] + CONTENDERS:
+            speedup = ""
+            if name.startswith("ours/"):
+                other = "upstream/" + name.split("/")[1]
+                speedup = f"{med[other] / med[name]:.2f}x faster"
+            per_group = ""
+            if result["groups"][name]:
+                per_group = f"{(med[name] - med['local']) / result['groups'][name] * 1e3:.3f}"
+            mem = f"{memory[name]:.1f}" if name in memory else ""
+            loss = "n/a" if name == "local" else f"{result['max_loss_difference'][name]:.1e}"
+            out.append(f"| {name} | {med[name] * 1e3:.2f} | {speedup} | {per_group} | {mem} "
+                       f"| {loss} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
@@ -182,8 +212,9 @@ def main():
     results = run_ranks(args.world_size, _timing_worker, args)
     steady = args.steps // 3
     for model_name, result in results.items():
-        med = {n: statistics.median(t[steady:]) for n, t in result["times"].items()}
-        result["median_seconds"] = med
+        result["median_seconds"] = {
+            n: statistics.median(t[steady:]) for n, t in result["times"].items()
+        }
         memory = {}
         if not args.no_memory:
             for name in ["local"] + CONTENDERS:
@@ -193,23 +224,7 @@ def main():
         result["max_loss_difference"] = {
             n: max(abs(a - b) for a, b in zip(l, ref)) for n, l in result["losses"].items()
         }
-        print(f"\n{model_name}: {result['params'] / 1e6:.2f}M parameters, "
-              f"{result['groups']['ours/gloo']} FSDP groups, {args.world_size} ranks, "
-              f"median of steps {steady}..{args.steps - 1}")
-        print("| contender | step ms | ours vs upstream (same backend) | FSDP ms per group "
-              "| training peak MiB | max loss diff vs upstream/gloo |")
-        print("|---|---|---|---|---|---|")
-        for name in ["local"] + CONTENDERS:
-            speedup = ""
-            if name.startswith("ours/"):
-                other = "upstream/" + name.split("/")[1]
-                speedup = f"{med[other] / med[name]:.2f}x faster"
-            per_group = ""
-            if result["groups"][name]:
-                per_group = f"{(med[name] - med['local']) / result['groups'][name] * 1e3:.3f}"
-            mem = f"{memory[name]:.1f}" if name in memory else ""
-            print(f"| {name} | {med[name] * 1e3:.2f} | {speedup} | {per_group} | {mem} "
-                  f"| {result['max_loss_difference'][name]:.1e} |")
+    print(markdown_tables({"args": vars(args), "results": results}))
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump({"args": vars(args), "results": results}, f, indent=1)

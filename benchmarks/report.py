@@ -48,31 +48,24 @@ def collectives_tables(path):
     return "\n".join(lines)
 
 
-def step_table(path):
+def step_tables(path):
+    from fsdp_step import markdown_tables
+
     with open(path) as f:
-        result = json.load(f)
-    med = result["median_seconds"]
-    args = result["args"]
-    lines = [f"{result['params'] / 1e6:.2f}M parameters, {args['world_size']} ranks, dim "
-             f"{args['dim']}, {args['layers']} blocks, batch {args['batch']}x{args['seq']}, "
-             f"{args['steps']} steps (median of the last two thirds).", "",
-             "| contender | step ms | vs gloo | vs fsdp_ext | final loss |",
-             "|---|---:|---:|---:|---:|"]
-    for name, seconds in med.items():
-        lines.append(f"| {name} | {seconds * 1e3:.1f} | {med['gloo'] / seconds:.2f}x "
-                     f"| {med['fsdp_ext'] / seconds:.2f}x | {result['losses'][name][-1]:.5f} |")
-    return "\n".join(lines) + "\n"
+        return markdown_tables(json.load(f))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--collectives", default=os.path.join(HERE, "results", "collectives.json"))
-    parser.add_argument("--step", default=os.path.join(HERE, "results", "fsdp_step.json"))
+    parser.add_argument("--step", nargs="*", default=[os.path.join(HERE, "results", "fsdp_step.json")],
+                        help="fsdp_step.py JSON files (one per world size)")
     args = parser.parse_args()
     if os.path.exists(args.collectives):
         print(collectives_tables(args.collectives))
-    if os.path.exists(args.step):
-        print(step_table(args.step))
+    for path in args.step:
+        if os.path.exists(path):
+            print(step_tables(path))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,23 @@ def storage_bytes(tensor):
     return tensor.untyped_storage().nbytes()
 
 
+def train_alongside(ctx, model, ref, steps):
+    """SGD steps on the sharded model and its data-parallel reference, then
+    every parameter must match."""
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(steps):
+        x = mlp_batch(ctx.rank, step)
+        model(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        average_grads(ref, ctx.gloo_group, ctx.world_size)
+        optim.step()
+        optim.zero_grad()
+        ref_optim.step()
+        ref_optim.zero_grad()
+    assert_params_match(model, ref)
+
+
 # --------------------------------------------------------------------------
 # Memory: reshard releases the unsharded storage
 
@@ -179,16 +196,7 @@ def check_meta_init(ctx, impl):
             chunk = -(-ref_param.shape[0] // ctx.world_size)
             start = min(ctx.rank * chunk, ref_param.shape[0])
             param.to_local().copy_(ref_param[start:start + rows])
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(3):
-        x = mlp_batch(ctx.rank, step)
-        model(x).pow(2).sum().backward()
-        ref(x).pow(2).sum().backward()
-        average_grads(ref, ctx.gloo_group, ctx.world_size)
-        optim.step(); optim.zero_grad()
-        ref_optim.step(); ref_optim.zero_grad()
-    assert_params_match(model, ref)
+    train_alongside(ctx, model, ref, steps=3)
     return True
 
 
@@ -362,16 +370,7 @@ def check_allocation_from_group(ctx, backend):
             module.set_allocate_memory_from_process_group_for_comm(True)
     pool = dist.group.WORLD._get_backend(torch.device("cpu"))
     before = pool._pool_stats()["allocations"] + pool._pool_stats()["reuses"]
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(3):
-        x = mlp_batch(ctx.rank, step)
-        model(x).pow(2).sum().backward()
-        ref(x).pow(2).sum().backward()
-        average_grads(ref, ctx.gloo_group, ctx.world_size)
-        optim.step(); optim.zero_grad()
-        ref_optim.step(); ref_optim.zero_grad()
-    assert_params_match(model, ref)
+    train_alongside(ctx, model, ref, steps=3)
     after = pool._pool_stats()["allocations"] + pool._pool_stats()["reuses"]
     return after - before
 

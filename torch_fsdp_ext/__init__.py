@@ -15,33 +15,8 @@ from ._registration import BACKEND_NAME, register_backend  # noqa: E402
 
 register_backend()
 
-from .fsdp import (  # noqa: E402
-    CPUOffloadPolicy,
-    FSDPEvent,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    ShardedState,
-    TrainingState,
-    UnshardHandle,
-    fully_shard,
-    register_fsdp_forward_method,
-    trace_fsdp_events,
-)
+from . import fsdp  # noqa: E402
+from .fsdp import *  # noqa: E402,F401,F403  (fully_shard and the rest of the FSDP API)
 
-__all__ = [
-    "BACKEND_NAME",
-    "CPUOffloadPolicy",
-    "FSDPEvent",
-    "FSDPModule",
-    "MixedPrecisionPolicy",
-    "OffloadPolicy",
-    "ShardedState",
-    "TrainingState",
-    "UnshardHandle",
-    "fully_shard",
-    "register_backend",
-    "register_fsdp_forward_method",
-    "trace_fsdp_events",
-]
+__all__ = ["BACKEND_NAME", "register_backend"] + fsdp.__all__
 __version__ = "0.1.0"

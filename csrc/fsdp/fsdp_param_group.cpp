@@ -241,22 +241,21 @@ at::Tensor FsdpParamGroup::comm_buffer(c10d::ProcessGroup& group, int64_t numel,
   return at::empty({numel}, options);
 }
 
+void FsdpParamGroup::drop_pending_all_gather() {
+  if (!pending_all_gather_) return;
+  PendingAllGather pending = std::move(*pending_all_gather_);
+  pending_all_gather_.reset();
+  if (pending.work) wait_releasing_gil(pending.work);
+}
+
 void FsdpParamGroup::finalize_backward() {
-  if (pending_all_gather_) {
-    // A prefetch whose module never ran (mistargeted): complete and drop it.
-    PendingAllGather pending = std::move(*pending_all_gather_);
-    pending_all_gather_.reset();
-    if (pending.work) wait_releasing_gil(pending.work);
-  }
+  // A prefetch whose module never ran (mistargeted): complete and drop it.
+  drop_pending_all_gather();
   post_forward_indices_.clear();
 }
 
 void FsdpParamGroup::reset_iter_state() {
-  if (pending_all_gather_) {
-    PendingAllGather pending = std::move(*pending_all_gather_);
-    pending_all_gather_.reset();
-    if (pending.work) wait_releasing_gil(pending.work);
-  }
+  drop_pending_all_gather();
   post_forward_indices_.clear();
   training_state_ = TrainingState::kIdle;
   to_sharded();

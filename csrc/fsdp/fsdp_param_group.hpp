@@ -108,6 +108,8 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   void to_sharded_post_forward();
   void to_unsharded();
   void backward_prefetch();
+  // Waits for an issued all-gather nobody will copy out, and forgets it.
+  void drop_pending_all_gather();
   void reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> params,
                         std::vector<at::Tensor> grads);
   at::Tensor comm_buffer(c10d::ProcessGroup& group, int64_t numel,

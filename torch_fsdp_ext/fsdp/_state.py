@@ -15,13 +15,13 @@ from torch.distributed._composable_state import _get_module_state, _insert_modul
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _C
-from ._trace import TrainingState
+from ._trace import ShardedState, TrainingState
 
 _FORWARD = TrainingState.FORWARD.value
 _PRE_BACKWARD = TrainingState.PRE_BACKWARD.value
 _POST_BACKWARD = TrainingState.POST_BACKWARD.value
 _IDLE = TrainingState.IDLE.value
-_UNSHARDED = 3
+_UNSHARDED = ShardedState.UNSHARDED.value
 
 
 def get_fsdp_state(module: nn.Module) -> Optional["FSDPState"]:

@@ -53,7 +53,7 @@ def build(model_name, contender, gloo):
     from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 
     import torch_fsdp_ext
-    from tiny_transformer import TinyTransformer, batch_for, shard
+    from tiny_transformer import TinyTransformer, batch_for
 
     torch.manual_seed(0)
     if model_name == "small-blocks":

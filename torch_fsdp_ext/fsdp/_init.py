@@ -144,6 +144,27 @@ def managed_states(modules, ignored_params):
     return params, buffers
 
 
+def validate_params(params) -> None:
+    """What fully_shard cannot shard, refused before the state and hooks exist."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise NotImplementedError(
+            "torch_fsdp_ext.fully_shard: parameters of one fully_shard call must share a "
+            f"dtype (got {sorted(str(d) for d in dtypes)}); wrap them separately"
+        )
+    for param in params:
+        if isinstance(param, DTensor):
+            raise NotImplementedError(
+                "torch_fsdp_ext.fully_shard: DTensor parameters (tensor parallelism) are not "
+                f"supported yet: {param.shape=} {param.placements=}"
+            )
+        if not param.is_contiguous():
+            raise NotImplementedError(
+                "FSDP does not support non-contiguous parameters yet: "
+                f"{param.shape=} {param.stride()=}"
+            )
+
+
 def move_to_device(params, buffers, device: torch.device) -> None:
     for tensor in list(params) + list(buffers):
         if tensor.device == device or tensor.device.type == "meta":
@@ -176,15 +197,6 @@ def shard_param(param: nn.Parameter, mesh: DeviceMesh, fqn: str, slots):
     """Shards `param` on dim 0 as upstream does: every rank holds ceil(d0 / W)
     rows (zero padding at the tail); the DTensor's local tensor is the real
     rows, a view of the padded buffer the all-gather reads."""
-    if isinstance(param, DTensor):
-        raise NotImplementedError(
-            f"torch_fsdp_ext.fully_shard: DTensor parameter {fqn} (tensor parallelism) is not "
-            "supported yet"
-        )
-    if not param.is_contiguous():
-        raise NotImplementedError(
-            f"FSDP does not support non-contiguous parameters yet: {param.shape=} {param.stride()=}"
-        )
     world = mesh.size()
     rank = mesh.get_local_rank()
     rows = -(-param.shape[0] // world)

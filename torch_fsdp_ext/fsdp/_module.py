@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -31,6 +30,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Optional[set] = None,
+    dp_mesh_dims=None,
 ):
     """Shards ``module``'s parameters across ``mesh`` (FSDP2). Same signature
     and semantics as ``torch.distributed.fsdp.fully_shard``; the parameter
@@ -41,6 +41,10 @@ def fully_shard(
     mesh = mesh or _init.default_mesh()
     _init.validate_mesh(mesh)
     _init.validate_policies(mp_policy, offload_policy)
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "torch_fsdp_ext.fully_shard: dp_mesh_dims (SPMD meshes) is not supported yet"
+        )
     if shard_placement_fn is not None:
         raise NotImplementedError(
             "torch_fsdp_ext.fully_shard: shard_placement_fn is not supported yet (Shard(0) only)"
@@ -54,16 +58,11 @@ def fully_shard(
     managed = _init.managed_modules(roots, ignored_params, get_fsdp_state)
     params, buffers = _init.managed_states(managed, ignored_params)
     _init.move_to_device(params, buffers, device)
+    _init.validate_params(params)
 
     state = fully_shard.state(roots[0])
     state.init(roots, device, auto_reshard)
     if params:
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) > 1:
-            raise NotImplementedError(
-                "torch_fsdp_ext.fully_shard: parameters of one fully_shard call must share a "
-                f"dtype (got {sorted(str(d) for d in dtypes)}); wrap them separately"
-            )
         slots = _init.module_slots(params, roots)
         fsdp_params = [
             _init.shard_param(p, mesh, f"{type(s[0][0]).__name__}.{s[0][1]}", s)

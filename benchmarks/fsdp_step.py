@@ -4,7 +4,8 @@ over fsdp_ext, in the same processes.
     python benchmarks/fsdp_step.py [--world-size 2] [--steps 40] [--models small-blocks,transformer]
 
 Contenders (each trains its own copy of the same model, same seeds and data;
-one step each in turn, so host noise hits all alike):
+one step each in turn, so host noise hits all alike; --order blocked runs all
+steps of one contender before the next):
 
   upstream/gloo, ours/gloo, upstream/fsdp_ext, ours/fsdp_ext
   .../fsdp_ext+alloc  with set_allocate_memory_from_process_group_for_comm(True):
@@ -122,13 +123,16 @@ def _timing_worker(rank, world, init_file, queue, args):
         built = {name: build(model_name, name, gloo) for name in names}
         times = {name: [] for name in names}
         losses = {name: [] for name in names}
-        for index in range(args.steps):
-            for name in names:
-                _, _, step = built[name]
-                dist.barrier(group=gloo)
-                start = time.perf_counter()
-                losses[name].append(step(index, rank))
-                times[name].append(time.perf_counter() - start)
+        if args.order == "alternate":  # one step of each contender in turn
+            schedule = [(index, name) for index in range(args.steps) for name in names]
+        else:  # "blocked": every step of one contender, then the next
+            schedule = [(index, name) for name in names for index in range(args.steps)]
+        for index, name in schedule:
+            _, _, step = built[name]
+            dist.barrier(group=gloo)
+            start = time.perf_counter()
+            losses[name].append(step(index, rank))
+            times[name].append(time.perf_counter() - start)
         for name in names:
             t = torch.tensor(times[name], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
@@ -210,6 +214,9 @@ def main():
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--models", default="small-blocks,transformer")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
+    parser.add_argument("--order", choices=["alternate", "blocked"], default="alternate",
+                        help="alternate: one step per contender in turn (default; noise hits all "
+                        "alike); blocked: all steps of a contender, then the next")
     parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results",
                                                            "fsdp_step.json"))
     args = parser.parse_args()

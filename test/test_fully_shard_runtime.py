@@ -281,6 +281,11 @@ def check_reset_iter_state(ctx):
     for module in model:
         torch_fsdp_ext.fully_shard(module)
     torch_fsdp_ext.fully_shard(model)
+    # An unsynced microbatch leaves gradients on the unsharded parameters;
+    # then a forward fails. Nothing of that iteration may reach the next step.
+    model.set_requires_gradient_sync(False)
+    model(mlp_batch(ctx.rank, 0)).pow(2).sum().backward()
+    model.set_requires_gradient_sync(True)
     model[1].fail = True
     with pytest.raises(ValueError, match="injected failure"):
         model(mlp_batch(ctx.rank, 0))
@@ -301,6 +306,27 @@ def check_reset_iter_state(ctx):
 
 def test_reset_iter_state_after_exception():
     get_pool(2).run(check_reset_iter_state)
+
+
+def check_reshard_after_forward_changed_on_post_forward_mesh(ctx):
+    """Parameters left on the reshard_after_forward=k mesh (a no_grad
+    forward) go back to full sharding when the setting changes, and the next
+    step gathers over the full group."""
+    torch.manual_seed(0)
+    model = MLPStack(n=2)
+    ref = copy.deepcopy(model)
+    shard_stack(model, fsdp_api("ours"), reshard_after_forward=2)
+    with torch.no_grad():
+        model(mlp_batch(ctx.rank, 0))
+    assert model[1].in_proj.weight.device_mesh.ndim == 2  # on the post-forward mesh
+    model.set_reshard_after_forward(True)
+    assert model[1].in_proj.weight.device_mesh.ndim == 1
+    train_alongside(ctx, model, ref, steps=2)
+    return True
+
+
+def test_reshard_after_forward_changed_on_post_forward_mesh():
+    get_pool(4).run(check_reshard_after_forward_changed_on_post_forward_mesh)
 
 
 def check_nested_traces(ctx):

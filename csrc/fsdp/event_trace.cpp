@@ -23,16 +23,6 @@ const char* event_name(TraceEvent event) {
 
 bool EventTrace::active_ = false;
 
-const char* training_state_name(TrainingState state) {
-  switch (state) {
-    case TrainingState::kForward: return "FORWARD";
-    case TrainingState::kPreBackward: return "PRE_BACKWARD";
-    case TrainingState::kPostBackward: return "POST_BACKWARD";
-    case TrainingState::kIdle: return "IDLE";
-  }
-  return "?";
-}
-
 void EventTrace::set_sink(py::object record) {
   active_ = !record.is_none();
   *sink() = active_ ? std::move(record) : py::object();

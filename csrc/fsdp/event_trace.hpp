@@ -22,7 +22,6 @@ class EventTrace {
   // `record(event, fqn, state)` is called for each event; None uninstalls.
   // Called with the GIL held, like every entry point of the runtime.
   static void set_sink(py::object record);
-  static bool active() { return active_; }
   static void emit(TraceEvent event, const std::string& module_fqn, TrainingState state);
 
  private:

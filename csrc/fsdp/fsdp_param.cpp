@@ -2,8 +2,11 @@
 
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
+#include <c10/util/strides.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
+
+#include <utility>
 
 namespace fsdp_ext::fsdp {
 namespace {
@@ -30,14 +33,6 @@ py::object make_dtensor(const at::Tensor& local, const py::object& spec) {
 }
 
 at::Tensor unpack(const py::object& tensor) { return THPVariable_Unpack(tensor.ptr()); }
-
-std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
-  std::vector<int64_t> strides(sizes.size(), 1);
-  for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d) {
-    strides[d] = strides[d + 1] * std::max<int64_t>(sizes[d + 1], 1);
-  }
-  return strides;
-}
 
 // Storage is released and re-allocated in place, so every view of it (the
 // unsharded parameter, tensors autograd saved in forward) sees the new bytes.
@@ -111,7 +106,7 @@ void FsdpParam::to_sharded_post_forward(int64_t rank, int64_t world, const py::o
   std::vector<int64_t> size = orig_size_;
   const int64_t rows = (orig_size_[0] + world - 1) / world;
   size[0] = std::max<int64_t>(0, std::min(rows, orig_size_[0] - rows * rank));
-  at::Tensor local = post_forward_data_.as_strided(size, contiguous_strides(size), 0);
+  at::Tensor local = post_forward_data_.as_strided(size, c10::contiguous_strides(size), 0);
   post_forward_param_ = parameter_class()(make_dtensor(local, spec),
                                           py::arg("requires_grad") = requires_grad());
   register_on_modules(post_forward_param_);
@@ -149,7 +144,7 @@ void FsdpParam::init_unsharded_param() {
   if (unsharded_tensor_.defined()) return;
   TORCH_CHECK(all_gather_output_.defined(), "fsdp_ext ", fqn_,
               ": init_unsharded_param before the first all-gather");
-  at::Tensor view = all_gather_output_.as_strided(orig_size_, contiguous_strides(orig_size_), 0);
+  at::Tensor view = all_gather_output_.as_strided(orig_size_, c10::contiguous_strides(orig_size_), 0);
   unsharded_param_ = parameter_class()(view, py::arg("requires_grad") = requires_grad());
   unsharded_tensor_ = unpack(unsharded_param_);
 }
@@ -160,10 +155,7 @@ void FsdpParam::release_unsharded_storage() {
 
 at::Tensor FsdpParam::take_unsharded_grad() {
   if (!unsharded_tensor_.defined()) return at::Tensor();
-  at::Tensor& grad = unsharded_tensor_.mutable_grad();
-  at::Tensor taken = std::move(grad);
-  grad = at::Tensor();
-  return taken;
+  return std::exchange(unsharded_tensor_.mutable_grad(), at::Tensor());
 }
 
 void FsdpParam::accumulate_sharded_grad(const at::Tensor& shard) {

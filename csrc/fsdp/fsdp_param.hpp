@@ -83,7 +83,6 @@ class FSDP_EXT_HIDDEN FsdpParam {
   int64_t padded_shard_numel() const { return padded_sharded_data_.numel(); }
   bool requires_grad() const { return sharded_tensor().requires_grad(); }
   bool is_meta() const { return padded_sharded_data_.is_meta(); }
-  at::ScalarType dtype() const { return padded_sharded_data_.scalar_type(); }
   const py::object& sharded_param() const { return sharded_param_; }
   const py::object& unsharded_param() const { return unsharded_param_; }
   const at::Tensor& padded_sharded_data() const { return padded_sharded_data_; }

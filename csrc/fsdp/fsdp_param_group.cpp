@@ -56,6 +56,9 @@ void FsdpParamGroup::set_reshard_after_forward(bool reshard, ProcessGroupPtr pos
   TORCH_CHECK_VALUE(!post_forward_group || post_forward_specs.size() == params_.size(),
                     "fsdp_ext FsdpParamGroup(", module_fqn_, "): ", post_forward_specs.size(),
                     " post-forward specs for ", params_.size(), " parameters");
+  // Parameters still on the old post-forward mesh go back to full sharding
+  // first: the next unshard must not gather over a group that is gone.
+  if (sharded_state_ == ShardedState::kShardedPostForward) to_sharded();
   reshard_after_forward_ = reshard;
   post_forward_group_ = reshard ? std::move(post_forward_group) : ProcessGroupPtr();
   post_forward_specs_ = post_forward_group_ ? std::move(post_forward_specs)
@@ -256,6 +259,8 @@ void FsdpParamGroup::finalize_backward() {
 
 void FsdpParamGroup::reset_iter_state() {
   drop_pending_all_gather();
+  // The failed iteration's gradients must not be reduced with the next one.
+  for (const auto& param : params_) param->take_unsharded_grad();
   post_forward_indices_.clear();
   training_state_ = TrainingState::kIdle;
   to_sharded();

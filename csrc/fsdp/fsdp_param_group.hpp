@@ -95,7 +95,6 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   const std::vector<std::shared_ptr<FsdpParam>>& params() const { return params_; }
   GroupOptions& options() { return options_; }
   const ProcessGroupPtr& shard_group() const { return shard_group_; }
-  const ProcessGroupPtr& post_forward_group() const { return post_forward_group_; }
 
  private:
   struct PendingAllGather {

@@ -20,6 +20,4 @@ enum class TrainingState : int8_t { kForward = 1, kPreBackward = 2, kPostBackwar
 // (reshard_after_forward=int), or the unsharded (all-gathered) parameters.
 enum class ShardedState : int8_t { kSharded = 1, kShardedPostForward = 2, kUnsharded = 3 };
 
-const char* training_state_name(TrainingState state);
-
 }  // namespace fsdp_ext::fsdp

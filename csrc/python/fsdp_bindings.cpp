@@ -59,7 +59,6 @@ void bind_fsdp_runtime(py::module_& m) {
                              [](const FsdpParam& p) { return static_cast<int>(p.sharded_state()); })
       .def_property_readonly("sharded_param", &FsdpParam::sharded_param)
       .def_property_readonly("unsharded_param", &FsdpParam::unsharded_param)
-      .def_property_readonly("has_unsharded_param", &FsdpParam::has_unsharded_param)
       .def_property_readonly("orig_size", &FsdpParam::orig_size)
       .def_property_readonly("sharded_size", &FsdpParam::sharded_size)
       .def_property_readonly("padded_sharded_data", &FsdpParam::padded_sharded_data)
@@ -77,9 +76,6 @@ void bind_fsdp_runtime(py::module_& m) {
            "Wait for in-flight gradient reduce-scatters and accumulate their results.")
       .def("drop_reduces", &FsdpCommContext::drop_reduces,
            "Wait for in-flight reduce-scatters and discard their results.")
-      .def_property_readonly("reduces_in_flight", &FsdpCommContext::reduces_in_flight)
-      .def_property_readonly("post_forward_order_length",
-                             [](const FsdpCommContext& c) { return c.post_forward_order.size(); })
       .def("clear_post_forward_order", [](FsdpCommContext& c) { c.post_forward_order.clear(); });
 
   py::class_<FsdpParamGroup, std::shared_ptr<FsdpParamGroup>>(m, "FsdpParamGroup")
@@ -117,7 +113,6 @@ void bind_fsdp_runtime(py::module_& m) {
           [](FsdpParamGroup& g, int state) { g.set_training_state(training_state_from(state)); })
       .def_property_readonly("sharded_state",
                              [](const FsdpParamGroup& g) { return static_cast<int>(g.sharded_state()); })
-      .def_property_readonly("unshard_pending", &FsdpParamGroup::unshard_pending)
       .def_property("module_fqn", &FsdpParamGroup::module_fqn, &FsdpParamGroup::set_module_fqn)
       .def_property_readonly("params", &FsdpParamGroup::params)
       .def_property_readonly("shard_group", &FsdpParamGroup::shard_group)

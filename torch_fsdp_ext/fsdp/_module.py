@@ -173,8 +173,7 @@ class FSDPModule:
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         # Only HSDP all-reduces, and HSDP is not supported yet: nothing to set.
-        for m in _fsdp_modules(self, recurse):
-            m._get_fsdp_state()._requires_all_reduce = requires_all_reduce
+        return
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
@@ -203,7 +202,7 @@ class FSDPModule:
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         # CPU collectives are ordered by the host: nothing to wait on.
-        self._get_fsdp_state()._state_ctx.post_optim_event = None
+        return
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Use :py:meth:`set_gradient_divide_factor` instead."""
@@ -217,7 +216,7 @@ class FSDPModule:
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         # Reductions here always SUM and divide locally (gloo has no AVG),
         # so both settings give the same collectives and numbers.
-        self._get_fsdp_state()._force_sum_reduction_for_comms = enable
+        return
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """All-gather outputs and reduce-scatter buffers come from the process
@@ -235,8 +234,7 @@ class FSDPModule:
     def _set_unshard_async_op(self, async_op: bool) -> None:
         # Collectives are always issued asynchronously and waited where
         # their result is needed, so both settings behave the same.
-        for m in _fsdp_modules(self, True):
-            m._get_fsdp_state()._unshard_async_op = async_op
+        return
 
     def reset_iter_state(self) -> None:
         """Back to a clean state after an exception mid forward/backward:

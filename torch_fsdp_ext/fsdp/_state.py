@@ -42,7 +42,6 @@ class StateContext:
         self.iter_forward_root: Optional[FSDPState] = None
         self.post_backward_final_callback_queued = False
         self.is_last_backward = True
-        self.post_optim_event = None
 
 
 class RegisterPostBackwardFunction(torch.autograd.Function):
@@ -234,7 +233,7 @@ class FSDPState(_State):
             if state is self or not state._modules_to_run_forward:
                 continue
             if state._fsdp_param_group is not None:
-                state._fsdp_param_group.post_forward(False)
+                state._fsdp_param_group.post_forward(_inside_backward())
             output = state._register_pre_backward_hook(output)
             state._training_state = TrainingState.IDLE
             state._modules_to_run_forward.clear()
@@ -289,7 +288,7 @@ class FSDPState(_State):
             ctx.post_backward_final_callback_queued = False
 
     def _reset_iter_state(self) -> None:
-        if not self._is_root:
+        if self._is_root is False:
             raise RuntimeError("reset_iter_state() must be called on the root FSDP module")
         ctx = self._state_ctx
         self._comm_ctx.drop_reduces()

@@ -414,3 +414,30 @@ def test_allocation_from_group(backend):
     else:
         # gloo has no allocator: ordinary memory, same numbers.
         assert all(n == 0 for n in taken), taken
+
+
+# --------------------------------------------------------------------------
+# Lazy initialisation runs from the root
+
+
+def check_lazy_init_order(ctx, impl):
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    model = shard_stack(MLPStack(n=2), api)
+    # Forwarding a child first makes it the root of its own subtree ...
+    model[1](mlp_batch(ctx.rank, 0))
+    # ... so the real root's first forward must refuse, naming the child.
+    with pytest.raises(RuntimeError, match="FSDP state has already been lazily initialized for "
+                       "1\nFSDP requires running forward through the root module first"):
+        model(mlp_batch(ctx.rank, 0))
+    # fully_shard([a, b]) cannot be the root of a forward.
+    pair = nn.ModuleList([MLP(10, 24), MLP(10, 24)])
+    api.fully_shard([pair[0], pair[1]])
+    with pytest.raises(RuntimeError, match="FSDP requires a single root module but got "):
+        pair[0](mlp_batch(ctx.rank, 0))
+    return True
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_lazy_init_must_start_at_the_root(impl):
+    get_pool(2).run(check_lazy_init_order, impl)

@@ -1,5 +1,7 @@
 #include "fsdp/comm_context.hpp"
 
+#include <c10/util/accumulate.h>
+
 #include "fsdp/fsdp_param.hpp"
 #include "fsdp/group_collectives.hpp"
 
@@ -15,8 +17,7 @@ void FsdpCommContext::finish_reduces(size_t keep) {
     if (reduce.post_divide) reduce.output.div_(*reduce.post_divide);
     int64_t offset = 0;
     for (const std::shared_ptr<FsdpParam>& param : reduce.params) {
-      int64_t shard_numel = 1;
-      for (int64_t size : param->sharded_size()) shard_numel *= size;
+      const int64_t shard_numel = c10::multiply_integers(param->sharded_size());
       param->accumulate_sharded_grad(
           reduce.output.narrow(0, offset, shard_numel).view(param->sharded_size()));
       offset += param->padded_shard_numel();

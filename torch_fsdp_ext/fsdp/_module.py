@@ -122,6 +122,14 @@ def _fsdp_modules(module: nn.Module, recurse: bool):
     return [m for m in modules if isinstance(m, FSDPModule)]
 
 
+def _set_group_option(module: nn.Module, name: str, value, recurse: bool) -> None:
+    """Sets a C++ group knob on ``module``'s group (and its FSDP submodules')."""
+    for m in _fsdp_modules(module, recurse):
+        group = m._group()
+        if group is not None:
+            setattr(group, name, value)
+
+
 class FSDPModule:
     """Mixed into every module fully_shard was applied to (class swap)."""
 
@@ -166,10 +174,7 @@ class FSDPModule:
         self._get_fsdp_state()._state_ctx.is_last_backward = is_last_backward
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        for m in _fsdp_modules(self, recurse):
-            group = m._group()
-            if group is not None:
-                group.reduce_grads = requires_gradient_sync
+        _set_group_option(self, "reduce_grads", requires_gradient_sync, recurse)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         # Only HSDP all-reduces, and HSDP is not supported yet: nothing to set.
@@ -187,10 +192,7 @@ class FSDPModule:
                 state._fsdp_param_group.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        for m in _fsdp_modules(self, recurse):
-            group = m._group()
-            if group is not None:
-                group.reshard_after_backward = reshard_after_backward
+        _set_group_option(self, "reshard_after_backward", reshard_after_backward, recurse)
 
     def set_modules_to_forward_prefetch(self, modules: list) -> None:
         _check_fsdp_modules(modules)
@@ -209,9 +211,7 @@ class FSDPModule:
         self.set_gradient_divide_factor(factor)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        group = self._group()
-        if group is not None:
-            group.gradient_divide_factor = factor
+        _set_group_option(self, "gradient_divide_factor", factor, recurse=False)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         # Reductions here always SUM and divide locally (gloo has no AVG),
@@ -222,14 +222,10 @@ class FSDPModule:
         """All-gather outputs and reduce-scatter buffers come from the process
         group's allocator where its backend has one (fsdp_ext on one host:
         peers read them in place, no staging copy); else ordinary memory."""
-        group = self._group()
-        if group is not None:
-            group.allocate_from_group = enable
+        _set_group_option(self, "allocate_from_group", enable, recurse=False)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        group = self._group()
-        if group is not None:
-            group.unshard_in_backward = unshard_in_backward
+        _set_group_option(self, "unshard_in_backward", unshard_in_backward, recurse=False)
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         # Collectives are always issued asynchronously and waited where

@@ -73,11 +73,13 @@ def _padded_chunk(shape, world_size):
 
 def test_bad_input_is_a_clear_error():
     shards = [torch.ones(3), torch.ones(2)]
-    with pytest.raises(ValueError, match="all_gather_copy_in: the output has 9 elements"):
+    with pytest.raises(ValueError, match="all_gather_copy_in: the output has 36 bytes but "
+                       r"world_size \* \(sum of shard sizes\) is 40"):
         _C._fsdp_all_gather_copy_in(shards, torch.empty(9), 0, 2)
     with pytest.raises(ValueError, match="rank 2 is outside"):
         _C._fsdp_all_gather_copy_in(shards, torch.empty(10), 2, 2)
-    with pytest.raises(TypeError, match="shard 1 has dtype"):
+    with pytest.raises(TypeError, match="shard 1's all-gather dtype has dtype Int but the flat "
+                       "buffer's dtype is Float"):
         _C._fsdp_all_gather_copy_in([torch.ones(3), torch.ones(2, dtype=torch.int32)],
                                     torch.empty(10), 0, 2)
     with pytest.raises(ValueError, match="must be contiguous"):
@@ -90,3 +92,54 @@ def test_bad_input_is_a_clear_error():
         _C._fsdp_reduce_scatter_copy_in([torch.tensor(1.0)], 2, torch.empty(2))
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         _C._fsdp_reduce_scatter_copy_in([torch.ones(2)], 0, torch.empty(2))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_copy_in_casts_to_the_all_gather_dtype(world_size):
+    """Mixed precision: fp32 shards gathered in bf16 land as shard.to(bf16)."""
+    shards = [values(shape, torch.float32, salt=i) / 7 for i, shape in enumerate(SHAPES)]
+    total = sum(s.numel() for s in shards)
+    rank = world_size - 1
+    out = torch.zeros(total * world_size, dtype=torch.bfloat16)
+    _C._fsdp_all_gather_copy_in(shards, out, rank, world_size,
+                                [torch.bfloat16] * len(shards))
+    expected = torch.cat([s.reshape(-1).to(torch.bfloat16) for s in shards])
+    assert torch.equal(out.narrow(0, total * rank, total), expected)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_parameters_of_several_dtypes_travel_as_bytes(world_size):
+    """A uint8 flat buffer carries fp32, bf16 and int64 parameters: each rank's
+    chunk holds their bytes back to back, and copy-out restores every dtype."""
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.bfloat16]
+    shapes = [(5, 3), (7,), (3,), (1,)]
+    per_rank = [[values(shape, dtype, salt=10 * i + r) for i, (shape, dtype) in
+                 enumerate(zip(shapes, dtypes))] for r in range(world_size)]
+    chunk_bytes = sum(s.numel() * s.element_size() for s in per_rank[0])
+    flat = torch.zeros(chunk_bytes * world_size, dtype=torch.uint8)
+    for r in range(world_size):
+        _C._fsdp_all_gather_copy_in(per_rank[r], flat, r, world_size, dtypes)
+    outs = [torch.empty(world_size * s.numel(), dtype=s.dtype) for s in per_rank[0]]
+    _C._fsdp_all_gather_copy_out(flat, [s.numel() for s in per_rank[0]], world_size, outs)
+    for i, out in enumerate(outs):
+        expected = torch.cat([per_rank[r][i].reshape(-1) for r in range(world_size)])
+        assert out.dtype == dtypes[i] and torch.equal(out, expected), i
+    with pytest.raises(TypeError, match="output 0 has dtype Float but the flat buffer's dtype "
+                       "is BFloat16"):
+        _C._fsdp_all_gather_copy_out(torch.empty(2, dtype=torch.bfloat16), [1], 2,
+                                     [torch.empty(2)])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.float16])
+def test_reduce_scatter_copy_in_casts_to_the_reduce_dtype(world_size, reduce_dtype):
+    """bf16 gradients written into a reduce-dtype buffer: the same bytes as
+    torch._chunk_cat of the gradients cast first (casting is exact per element)."""
+    # torch._chunk_cat rejects empty tensors: the reference case leaves them out.
+    grads = [values(shape, torch.bfloat16, salt=i) for i, shape in enumerate(SHAPES)
+             if 0 not in shape]
+    numel = sum(-(-g.shape[0] // world_size) * (g.numel() // g.shape[0]) for g in grads)
+    ours = torch.full((numel * world_size,), -1.0, dtype=reduce_dtype)
+    _C._fsdp_reduce_scatter_copy_in(grads, world_size, ours)
+    expected = torch._chunk_cat([g.to(reduce_dtype) for g in grads], 0, world_size)
+    assert torch.equal(ours, expected.reshape(-1))

@@ -1,5 +1,5 @@
 // State shared by every FSDP group under one root (upstream's FSDPCommContext
-// plus the reduce-scatters still in flight). CPU tensors need no streams:
+// plus the gradient reductions still in flight). CPU tensors need no streams:
 // collectives are issued asynchronously and waited where their result is
 // first needed, so an all-gather prefetch or a gradient reduce-scatter runs on
 // the backend's progress thread while the next module computes.
@@ -13,6 +13,7 @@
 #include <optional>
 #include <vector>
 
+#include "fsdp/gradient_divide.hpp"
 #include "fsdp/training_state.hpp"  // FSDP_EXT_HIDDEN
 
 namespace fsdp_ext::fsdp {
@@ -20,14 +21,18 @@ namespace fsdp_ext::fsdp {
 class FsdpParam;
 class FsdpParamGroup;
 
-// A group's reduce-scatter in flight: once `work` completes, `output` holds
-// this rank's chunk of every gradient back to back (padded chunk sizes).
+// A group's gradient reduction in flight: once `work` (the reduce-scatter;
+// null with one shard rank) completes, `output` holds this rank's chunk of
+// every gradient back to back (padded chunk sizes) in the reduce dtype. The
+// group finishes it (divides, HSDP all-reduce, cast, accumulate).
 struct PendingReduce {
+  std::shared_ptr<FsdpParamGroup> group;
   std::vector<std::shared_ptr<FsdpParam>> params;
   at::Tensor input;   // kept alive until the collective completes
   at::Tensor output;
   c10::intrusive_ptr<c10d::Work> work;
-  std::optional<double> post_divide;
+  ReduceFactors factors;
+  bool all_reduce = true;  // HSDP: all-reduce now (else accumulate a partial)
 };
 
 class FSDP_EXT_HIDDEN FsdpCommContext {
@@ -37,8 +42,9 @@ class FSDP_EXT_HIDDEN FsdpCommContext {
   std::vector<std::weak_ptr<FsdpParamGroup>> post_forward_order;
 
   void add_reduce(PendingReduce reduce) { reduces_.push_back(std::move(reduce)); }
-  // Completes the oldest reduce-scatters until at most `keep` remain in
-  // flight: waits, divides, and accumulates into the sharded gradients.
+  // Completes the oldest reductions until at most `keep` remain in flight
+  // (FsdpParamGroup::complete_reduce: wait, divide, all-reduce across
+  // replicas, accumulate into the sharded gradients).
   void finish_reduces(size_t keep = 0);
   // Waits for every in-flight reduce-scatter and discards its result
   // (reset after a failed iteration).

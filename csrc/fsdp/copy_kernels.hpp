@@ -9,8 +9,13 @@
 //                      in order, its r-th dim-0 chunk (dim 0 zero-padded to a
 //                      multiple of world_size), flattened (torch._chunk_cat).
 //
-// All tensors must be contiguous CPU tensors of one dtype; violations raise
-// ValueError / TypeError naming the kernel and the offending tensor.
+// Dtypes. The flat all-gather buffer has one dtype: the parameters' common
+// all-gather dtype, or uint8 when they differ (upstream's rule; each
+// parameter then occupies its own bytes in the chunk). Copy-in casts a shard
+// to its all-gather dtype on the way (mixed precision: fp32 shard, bf16
+// gather); the reduce-scatter copy-in casts gradients to the buffer's dtype
+// (reduce_dtype). Every tensor must be a contiguous CPU tensor; violations
+// raise ValueError / TypeError naming the kernel and the offending tensor.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -20,20 +25,25 @@
 
 namespace fsdp_ext::fsdp {
 
-// Copies shards[i] (any shape; flattened) into consecutive slices of the
-// rank-th chunk of `output`, whose numel is world_size * sum(shard numels).
-// Returns that chunk (the all-gather input, a view of `output`).
-at::Tensor all_gather_copy_in(const std::vector<at::Tensor>& shards, const at::Tensor& output,
-                              int64_t rank, int64_t world_size);
+// Copies shards[i] (any shape; flattened), cast to gather_dtypes[i], into
+// consecutive slices of the rank-th chunk of `output`. `output` holds
+// world_size chunks of sum(shard numel * gather element size) bytes; its
+// dtype is gather_dtypes' common dtype or uint8. Returns that chunk (the
+// all-gather input, a view of `output`).
+at::Tensor all_gather_copy_in(const std::vector<at::Tensor>& shards,
+                              const std::vector<at::ScalarType>& gather_dtypes,
+                              const at::Tensor& output, int64_t rank, int64_t world_size);
 
 // The inverse layout after the all-gather: for every rank w and parameter i,
 // outputs[i] viewed as (world_size, split_sizes[i]) gets row w from the
-// slice [offset_i, offset_i + split_sizes[i]) of `output`'s w-th chunk.
+// parameter's slice of `output`'s w-th chunk. split_sizes count elements of
+// outputs[i]'s dtype, which must be `output`'s unless that is uint8.
 void all_gather_copy_out(const at::Tensor& output, const std::vector<int64_t>& split_sizes,
                          int64_t world_size, const std::vector<at::Tensor>& outputs);
 
-// Writes the reduce-scatter input layout of `gradients` into `output`
-// (numel world_size * sum(padded chunk numels)); padding is zero.
+// Writes the reduce-scatter input layout of `gradients`, cast to `output`'s
+// dtype, into `output` (numel world_size * sum(padded chunk numels));
+// padding is zero.
 void reduce_scatter_copy_in(const std::vector<at::Tensor>& gradients, int64_t world_size,
                             const at::Tensor& output);
 
@@ -41,5 +51,11 @@ void reduce_scatter_copy_in(const std::vector<at::Tensor>& gradients, int64_t wo
 // (dim 0 rounded up to a multiple of world_size): the reduce-scatter output
 // numel per gradient. Tensors must have at least one dimension.
 int64_t padded_chunk_numel(at::IntArrayRef sizes, int64_t world_size);
+
+// Copies `source` (contiguous, flattened), cast to `dtype`, to the raw memory
+// at `destination`. Writes through a tensor of its own, so the version
+// counter of whatever tensor owns that memory is left alone (autograd's
+// saved views of an unsharded parameter must not see a new version).
+void copy_cast_raw(void* destination, at::ScalarType dtype, const at::Tensor& source);
 
 }  // namespace fsdp_ext::fsdp

@@ -8,6 +8,7 @@
 
 #include <utility>
 
+
 namespace fsdp_ext::fsdp {
 namespace {
 
@@ -130,10 +131,39 @@ const at::Tensor& FsdpParam::all_gather_input() const {
   return state_ == ShardedState::kShardedPostForward ? post_forward_data_ : padded_sharded_data_;
 }
 
+void FsdpParam::init_dtype_attrs(std::optional<at::ScalarType> param_dtype,
+                                 std::optional<at::ScalarType> reduce_dtype) {
+  policy_param_dtype_ = param_dtype;
+  policy_reduce_dtype_ = reduce_dtype;
+  clamp_dtypes();
+}
+
+void FsdpParam::clamp_dtypes() {
+  // reduce_dtype is compared with the policy's param_dtype before that is
+  // clamped, as upstream does: with param_dtype == reduce_dtype == the
+  // parameter's dtype, neither casts.
+  reduce_dtype_ = policy_reduce_dtype_ == policy_param_dtype_ ? std::nullopt : policy_reduce_dtype_;
+  const bool floating = at::isFloatingType(orig_dtype());
+  param_dtype_ = (policy_param_dtype_ == orig_dtype() || !floating) ? std::nullopt
+                                                                     : policy_param_dtype_;
+  drop_unsharded_of_stale_dtype();
+}
+
+void FsdpParam::drop_unsharded_of_stale_dtype() {
+  if (!all_gather_output_.defined() || all_gather_output_.scalar_type() == unsharded_dtype()) {
+    return;
+  }
+  TORCH_CHECK(state_ != ShardedState::kUnsharded, "fsdp_ext ", fqn_,
+              ": the parameter dtype changed while unsharded; reshard first");
+  all_gather_output_ = at::Tensor();
+  unsharded_param_ = py::object();
+  unsharded_tensor_ = at::Tensor();
+}
+
 const at::Tensor& FsdpParam::allocated_all_gather_output() {
   if (!all_gather_output_.defined()) {
-    all_gather_output_ =
-        at::empty({padded_sharded_data_.numel() * shard_world_size_}, padded_sharded_data_.options());
+    all_gather_output_ = at::empty({padded_sharded_data_.numel() * shard_world_size_},
+                                   padded_sharded_data_.options().dtype(unsharded_dtype()));
   } else {
     allocate_storage(all_gather_output_);
   }
@@ -154,8 +184,25 @@ void FsdpParam::release_unsharded_storage() {
 }
 
 at::Tensor FsdpParam::take_unsharded_grad() {
+  if (accumulated_grad_.defined()) return std::exchange(accumulated_grad_, at::Tensor());
   if (!unsharded_tensor_.defined()) return at::Tensor();
   return std::exchange(unsharded_tensor_.mutable_grad(), at::Tensor());
+}
+
+void FsdpParam::accumulate_unsharded_grad_if_needed() {
+  if (!accumulated_grad_.defined() || !unsharded_tensor_.defined()) return;
+  at::Tensor& grad = unsharded_tensor_.mutable_grad();
+  if (!grad.defined()) return;
+  accumulated_grad_.add_(grad);
+  grad = at::Tensor();
+}
+
+void FsdpParam::to_accumulated_grad_if_needed() {
+  if (!reduce_dtype_ || !unsharded_tensor_.defined()) return;
+  at::Tensor& grad = unsharded_tensor_.mutable_grad();
+  if (!grad.defined() || grad.scalar_type() == *reduce_dtype_) return;
+  accumulated_grad_ = grad.to(*reduce_dtype_);
+  grad = at::Tensor();
 }
 
 void FsdpParam::accumulate_sharded_grad(const at::Tensor& shard) {
@@ -195,12 +242,8 @@ void FsdpParam::reset_sharded_param() {
   padded.narrow(0, 0, local.size(0)).copy_(local);
   padded_sharded_data_ = padded.view({-1});
   sharded_param_.attr("_local_tensor") = padded.narrow(0, 0, local.size(0));
-  // A later all-gather allocates an output of the new dtype.
-  if (all_gather_output_.defined() && all_gather_output_.scalar_type() != local.scalar_type()) {
-    all_gather_output_ = at::Tensor();
-    unsharded_param_ = py::object();
-    unsharded_tensor_ = at::Tensor();
-  }
+  // A later all-gather allocates an output of the new unsharded dtype.
+  clamp_dtypes();
 }
 
 }  // namespace fsdp_ext::fsdp

@@ -4,14 +4,23 @@
 //   sharded param     nn.Parameter(DTensor Shard(0)) whose local tensor is the
 //                     unpadded prefix of `padded_sharded_data` (dim 0 padded to
 //                     ceil(dim0 / world) rows, zeros at the tail);
-//   all-gather output a flat buffer of world * padded numel elements; its
+//   all-gather output a flat buffer of world * padded numel elements in the
+//                     unsharded dtype (param_dtype under mixed precision); its
 //                     storage is allocated for an unshard and released (resized
 //                     to 0 bytes) on reshard, while the tensor objects persist;
 //   unsharded param   nn.Parameter viewing the prefix of the all-gather output
 //                     with the original shape. The same object every step:
 //                     autograd's saved tensors and .grad rely on its identity;
 //   post-forward data with reshard_after_forward=k, this rank's 1/k of the
-//                     all-gather output, kept as a DTensor on the k-rank mesh.
+//                     all-gather output, kept as a DTensor on the k-rank mesh;
+//   accumulated grad  with reduce_dtype and gradient sync off, the unsharded
+//                     gradient kept in reduce_dtype between backwards (upstream's
+//                     unsharded_accumulated_grad).
+//
+// Mixed precision follows upstream's FSDPParam.init_dtype_attrs: the policy's
+// param_dtype is dropped where it equals the parameter's dtype or the
+// parameter is not floating point, and reduce_dtype where it equals
+// param_dtype (gradients already arrive in it).
 //
 // Modules are Python objects, so registration writes the module's
 // _parameters dict (or setattr where the class overrides __setattr__), and
@@ -22,6 +31,7 @@
 #include <ATen/ATen.h>
 #include <pybind11/pybind11.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -54,6 +64,16 @@ class FSDP_EXT_HIDDEN FsdpParam {
   void to_unsharded();
   ShardedState sharded_state() const { return state_; }
 
+  // Applies a MixedPrecisionPolicy's dtypes (nullopt: unset), clamped as in
+  // the file comment. Kept across reset_sharded_param (a dtype change).
+  void init_dtype_attrs(std::optional<at::ScalarType> param_dtype,
+                        std::optional<at::ScalarType> reduce_dtype);
+  at::ScalarType orig_dtype() const { return padded_sharded_data_.scalar_type(); }
+  std::optional<at::ScalarType> param_dtype() const { return param_dtype_; }
+  std::optional<at::ScalarType> reduce_dtype() const { return reduce_dtype_; }
+  // The dtype of the all-gather and of the unsharded parameter.
+  at::ScalarType unsharded_dtype() const { return param_dtype_.value_or(orig_dtype()); }
+
   // The flat tensor this rank contributes to the next all-gather.
   const at::Tensor& all_gather_input() const;
   // The all-gather output with its storage allocated (created on first use).
@@ -63,9 +83,14 @@ class FSDP_EXT_HIDDEN FsdpParam {
   bool has_unsharded_param() const { return unsharded_tensor_.defined(); }
   void release_unsharded_storage();
 
-  // The unsharded parameter's gradient (undefined if none), detached from the
-  // parameter (its .grad becomes None).
+  // The gradient to reduce (undefined if none): the reduce-dtype accumulator
+  // if one exists, else the unsharded parameter's .grad (which becomes None).
   at::Tensor take_unsharded_grad();
+  // Gradient accumulation without sync under reduce_dtype (upstream's names):
+  // folds a new .grad into the accumulator, and moves a .grad of another
+  // dtype into a fresh accumulator cast to reduce_dtype.
+  void accumulate_unsharded_grad_if_needed();
+  void to_accumulated_grad_if_needed();
   // Adds `shard` (this rank's reduced gradient, sharded_size) into the sharded
   // parameter's DTensor gradient, creating it if absent, then runs the
   // parameter's post-accumulate-grad hooks.
@@ -89,6 +114,10 @@ class FSDP_EXT_HIDDEN FsdpParam {
 
  private:
   void register_on_modules(const py::object& param);
+  // Forgets the all-gather output and the unsharded parameter when they no
+  // longer have the unsharded dtype (policy or parameter dtype changed).
+  void drop_unsharded_of_stale_dtype();
+  void clamp_dtypes();
   // The sharded parameter as a C++ tensor. Not cached: holding a second
   // reference would make torch.utils.swap_tensors (Module._apply on DTensor
   // parameters, e.g. to_empty) refuse the swap.
@@ -100,6 +129,10 @@ class FSDP_EXT_HIDDEN FsdpParam {
   std::vector<int64_t> sharded_size_;  // this rank's unpadded chunk
   int64_t shard_world_size_;
   ShardedState state_ = ShardedState::kSharded;
+  std::optional<at::ScalarType> policy_param_dtype_;   // as the policy says
+  std::optional<at::ScalarType> policy_reduce_dtype_;
+  std::optional<at::ScalarType> param_dtype_;          // clamped
+  std::optional<at::ScalarType> reduce_dtype_;
 
   py::object sharded_param_;  // nn.Parameter(DTensor)
   py::object spec_;            // its DTensorSpec, for gradient DTensors
@@ -108,6 +141,7 @@ class FSDP_EXT_HIDDEN FsdpParam {
   at::Tensor all_gather_output_;  // 1-D, world * padded numel
   py::object unsharded_param_;
   at::Tensor unsharded_tensor_;
+  at::Tensor accumulated_grad_;  // reduce_dtype, gradient sync off
 
   py::object post_forward_param_;
   at::Tensor post_forward_data_;  // 1-D

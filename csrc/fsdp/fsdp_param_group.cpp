@@ -1,8 +1,10 @@
 #include "fsdp/fsdp_param_group.hpp"
 
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 
-#include <cstring>
+#include <algorithm>
+#include <string>
 
 #include "fsdp/copy_kernels.hpp"
 #include "fsdp/event_trace.hpp"
@@ -11,44 +13,60 @@
 namespace fsdp_ext::fsdp {
 namespace {
 
-// How gradients are divided around a SUM reduce-scatter, as upstream's
-// _get_gradient_divide_factors decides (its AVG is SUM then divide by the
-// world size; its PREMUL_SUM(1/f) is a multiply by 1/f before the SUM, which
-// gloo also supports). Dtypes that may overflow split the factor into a
-// power-of-two pre-divide and the rest after.
-struct DivideFactors {
-  std::optional<double> pre_multiply;
-  std::optional<double> post_divide;
-};
+// Raises Python's AssertionError, as upstream's checks of the same
+// conditions do.
+[[noreturn]] void raise_assertion(const std::string& message) {
+  PyErr_SetString(PyExc_AssertionError, message.c_str());
+  throw py::error_already_set();
+}
 
-DivideFactors divide_factors(at::ScalarType dtype, int64_t world, std::optional<double> factor) {
-  if (world == 1) {
-    if (factor && *factor != 1.0) return {std::nullopt, *factor};
-    return {};
+std::string dtype_set(const std::vector<at::ScalarType>& dtypes) {
+  std::string out;
+  for (at::ScalarType dtype : dtypes) {
+    if (!out.empty()) out += ", ";
+    out += c10::toString(dtype);
   }
-  const bool overflow_risk = dtype != at::kFloat && dtype != at::kBFloat16;
-  if (!overflow_risk) {
-    if (!factor || *factor == static_cast<double>(world)) return {std::nullopt, world};
-    return {1.0 / *factor, std::nullopt};
-  }
-  const double total = factor.value_or(static_cast<double>(world));
-  double pre = 1;
-  while (std::fmod(total, pre) == 0 && total / pre > pre) pre *= 2;
-  DivideFactors out;
-  if (pre != 1) out.pre_multiply = 1.0 / pre;
-  if (total / pre != 1) out.post_divide = total / pre;
-  return out;
+  return "{" + out + "}";
 }
 
 }  // namespace
 
 FsdpParamGroup::FsdpParamGroup(std::vector<std::shared_ptr<FsdpParam>> params,
-                               ProcessGroupPtr shard_group)
+                               ProcessGroupPtr shard_group, ProcessGroupPtr replicate_group)
     : params_(std::move(params)),
       shard_group_(std::move(shard_group)),
+      replicate_group_(std::move(replicate_group)),
       comm_(std::make_shared<FsdpCommContext>()) {
   TORCH_CHECK_VALUE(shard_group_, "fsdp_ext FsdpParamGroup: no shard process group");
   TORCH_CHECK_VALUE(!params_.empty(), "fsdp_ext FsdpParamGroup: no parameters");
+}
+
+void FsdpParamGroup::init_mp_dtypes(std::optional<at::ScalarType> param_dtype,
+                                    std::optional<at::ScalarType> reduce_dtype) {
+  std::vector<at::ScalarType> orig_dtypes;
+  std::vector<std::optional<at::ScalarType>> reduce_dtypes;
+  for (const auto& param : params_) {
+    param->init_dtype_attrs(param_dtype, reduce_dtype);
+    if (!param->requires_grad()) continue;
+    if (std::find(orig_dtypes.begin(), orig_dtypes.end(), param->orig_dtype()) == orig_dtypes.end()) {
+      orig_dtypes.push_back(param->orig_dtype());
+    }
+    if (std::find(reduce_dtypes.begin(), reduce_dtypes.end(), param->reduce_dtype()) ==
+        reduce_dtypes.end()) {
+      reduce_dtypes.push_back(param->reduce_dtype());
+    }
+  }
+  if (orig_dtypes.size() > 1) {
+    raise_assertion("FSDP expects uniform original parameter dtype but got " +
+                    dtype_set(orig_dtypes));
+  }
+  if (reduce_dtypes.size() > 1) {
+    std::vector<at::ScalarType> named;
+    for (const auto& dtype : reduce_dtypes) named.push_back(dtype.value_or(at::kFloat));
+    raise_assertion("FSDP expects uniform reduce dtype but got " + dtype_set(named));
+  }
+  orig_dtype_ = orig_dtypes.empty() ? std::nullopt : std::optional(orig_dtypes.front());
+  reduce_dtype_ = reduce_dtypes.empty() ? std::nullopt : reduce_dtypes.front();
 }
 
 void FsdpParamGroup::set_reshard_after_forward(bool reshard, ProcessGroupPtr post_forward_group,
@@ -75,16 +93,26 @@ void FsdpParamGroup::unshard() {
   PendingAllGather pending{at::Tensor(), {}, group->getSize(), {}};
   if (pending.world_size > 1) {
     std::vector<at::Tensor> inputs;
+    std::vector<at::ScalarType> dtypes;
     inputs.reserve(params_.size());
-    int64_t input_numel = 0;
+    dtypes.reserve(params_.size());
+    // One dtype for the flat buffer: the parameters' common unsharded dtype,
+    // or bytes when they differ (as upstream).
+    const at::ScalarType common = params_.front()->unsharded_dtype();
+    at::ScalarType buffer_dtype = common;
+    int64_t input_bytes = 0;
     for (const auto& param : params_) {
       inputs.push_back(param->all_gather_input());
+      dtypes.push_back(param->unsharded_dtype());
+      if (dtypes.back() != common) buffer_dtype = at::kByte;
       pending.split_sizes.push_back(inputs.back().numel());
-      input_numel += inputs.back().numel();
+      input_bytes += inputs.back().numel() * static_cast<int64_t>(c10::elementSize(dtypes.back()));
     }
-    pending.output = comm_buffer(*group, input_numel * pending.world_size, inputs.front().options());
+    const int64_t input_numel = input_bytes / static_cast<int64_t>(c10::elementSize(buffer_dtype));
+    pending.output = comm_buffer(*group, input_numel * pending.world_size,
+                                 inputs.front().options().dtype(buffer_dtype));
     at::Tensor input =
-        all_gather_copy_in(inputs, pending.output, group->getRank(), pending.world_size);
+        all_gather_copy_in(inputs, dtypes, pending.output, group->getRank(), pending.world_size);
     pending.work = all_gather_flat(*group, pending.output, input);
   }
   pending_all_gather_ = std::move(pending);
@@ -95,13 +123,13 @@ void FsdpParamGroup::wait_for_unshard() {
   PendingAllGather pending = std::move(*pending_all_gather_);
   pending_all_gather_.reset();
   if (pending.world_size == 1) {
-    // Nothing to gather: copy each shard into its own unsharded storage, which
-    // reshard can release without touching the sharded data. A raw copy keeps
-    // the version counter unchanged, as autograd's saved tensors expect.
+    // Nothing to gather: copy (cast) each shard into its own unsharded
+    // storage, which reshard can release without touching the sharded data.
+    // A raw copy keeps the version counter unchanged, as autograd's saved
+    // tensors expect.
     for (const auto& param : params_) {
       const at::Tensor& output = param->allocated_all_gather_output();
-      const at::Tensor& input = param->all_gather_input();
-      if (input.nbytes() != 0) std::memcpy(output.data_ptr(), input.data_ptr(), input.nbytes());
+      copy_cast_raw(output.data_ptr(), output.scalar_type(), param->all_gather_input());
     }
   } else {
     wait_releasing_gil(pending.work);
@@ -173,6 +201,7 @@ void FsdpParamGroup::prefetch_unshard(TrainingState state) {
 
 void FsdpParamGroup::post_backward() {
   training_state_ = TrainingState::kPostBackward;
+  for (const auto& param : params_) param->accumulate_unsharded_grad_if_needed();
   std::vector<std::shared_ptr<FsdpParam>> with_grad;
   std::vector<at::Tensor> grads;
   if (options_.reduce_grads) {
@@ -185,10 +214,12 @@ void FsdpParamGroup::post_backward() {
       grads.push_back(std::move(grad));
     }
   }
-  // Without gradient sync the gradients stay on the unsharded parameters and
-  // accumulate there until a step that reduces.
+  // Without gradient sync the gradients stay on the unsharded parameters (or
+  // in reduce_dtype accumulators) until a step that reduces.
   if (options_.reshard_after_backward) reshard();
-  if (options_.reduce_grads) {
+  if (!options_.reduce_grads) {
+    for (const auto& param : params_) param->to_accumulated_grad_if_needed();
+  } else {
     // The previous group's reduce-scatter overlapped this group's backward;
     // finish it before issuing the next (one in flight, as upstream keeps).
     comm_->finish_reduces(0);
@@ -199,38 +230,80 @@ void FsdpParamGroup::post_backward() {
 
 void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> params,
                                       std::vector<at::Tensor> grads) {
-  const at::ScalarType dtype = grads.front().scalar_type();
+  const at::ScalarType grad_dtype = grads.front().scalar_type();
   for (const at::Tensor& grad : grads) {
-    TORCH_CHECK_TYPE(grad.scalar_type() == dtype, "fsdp_ext post_backward(", module_fqn_,
-                     "): FSDP reduce-scatter expects uniform gradient dtype but got ", dtype,
-                     " and ", grad.scalar_type());
-  }
-  const int64_t world = shard_group_->getSize();
-  const DivideFactors factors = divide_factors(dtype, world, options_.gradient_divide_factor);
-  if (world == 1) {
-    // The shard is the whole parameter: no collective, no copy.
-    for (size_t i = 0; i < params.size(); ++i) {
-      at::Tensor grad = grads[i].reshape(params[i]->sharded_size());
-      if (factors.post_divide) grad = grad / *factors.post_divide;
-      params[i]->accumulate_sharded_grad(grad);
+    if (grad.scalar_type() != grad_dtype) {
+      raise_assertion("FSDP reduce-scatter expects uniform gradient dtype but got " +
+                      dtype_set({grad_dtype, grad.scalar_type()}) + " in " + module_fqn_);
     }
-    return;
   }
+  const at::ScalarType reduce_dtype = reduce_dtype_.value_or(grad_dtype);
+  const int64_t world = shard_group_->getSize();
+  const int64_t replicas = replicate_group_ ? replicate_group_->getSize() : 0;
+  PendingReduce reduce;
+  reduce.group = shared_from_this();
+  reduce.factors = reduce_factors(reduce_dtype, world, replicas, options_.gradient_divide_factor);
+  reduce.all_reduce = options_.all_reduce_grads;
+  const ReduceFactors& factors = reduce.factors;
   int64_t row_numel = 0;
   for (size_t i = 0; i < grads.size(); ++i) {
     if (!grads[i].is_contiguous()) grads[i] = grads[i].contiguous();
     row_numel += params[i]->padded_shard_numel();
   }
-  PendingReduce reduce;
-  reduce.input = comm_buffer(*shard_group_, row_numel * world, grads.front().options());
+  const at::TensorOptions options = grads.front().options().dtype(reduce_dtype);
+  reduce.input = comm_buffer(*shard_group_, row_numel * world, options);
   reduce_scatter_copy_in(grads, world, reduce.input);
   grads.clear();  // the unsharded gradients are no longer needed
-  if (factors.pre_multiply) reduce.input.mul_(*factors.pre_multiply);
-  reduce.output = comm_buffer(*shard_group_, row_numel, reduce.input.options());
-  reduce.work = reduce_scatter_flat(*shard_group_, reduce.output, reduce.input);
-  reduce.post_divide = factors.post_divide;
+  if (factors.pre_divide) reduce.input.div_(*factors.pre_divide);
+  if (world > 1) {
+    if (factors.pre_multiply) reduce.input.mul_(*factors.pre_multiply);
+    reduce.output = comm_buffer(*shard_group_, row_numel, options);
+    reduce.work = reduce_scatter_flat(*shard_group_, reduce.output, reduce.input);
+  } else {
+    // The shard is the whole gradient: nothing to reduce-scatter.
+    reduce.output = std::move(reduce.input);
+    if (factors.single_rank_divide) reduce.output.div_(*factors.single_rank_divide);
+  }
   reduce.params = std::move(params);
-  comm_->add_reduce(std::move(reduce));
+  if (!reduce.work && !replicate_group_) {
+    complete_reduce(std::move(reduce));  // no collective to overlap
+  } else {
+    comm_->add_reduce(std::move(reduce));
+  }
+}
+
+void FsdpParamGroup::complete_reduce(PendingReduce reduce) {
+  const ReduceFactors& factors = reduce.factors;
+  if (reduce.work) wait_releasing_gil(reduce.work);
+  reduce.input = at::Tensor();
+  at::Tensor output = std::move(reduce.output);
+  if (factors.reduce_scatter_divide) output.div_(*factors.reduce_scatter_divide);
+  if (replicate_group_) {
+    if (!reduce.all_reduce) {
+      // Accumulate locally; a later backward all-reduces the sum.
+      if (partial_reduce_output_.defined()) {
+        partial_reduce_output_.add_(output);
+      } else {
+        partial_reduce_output_ = output;
+      }
+      return;
+    }
+    if (partial_reduce_output_.defined()) {
+      output.add_(partial_reduce_output_);
+      partial_reduce_output_ = at::Tensor();
+    }
+    wait_releasing_gil(all_reduce_flat(*replicate_group_, output));
+    if (factors.all_reduce_divide) output.div_(*factors.all_reduce_divide);
+  }
+  if (factors.post_divide) output.div_(*factors.post_divide);
+  if (orig_dtype_ && output.scalar_type() != *orig_dtype_) output = output.to(*orig_dtype_);
+  int64_t offset = 0;
+  for (const std::shared_ptr<FsdpParam>& param : reduce.params) {
+    const int64_t shard_numel = c10::multiply_integers(param->sharded_size());
+    param->accumulate_sharded_grad(
+        output.narrow(0, offset, shard_numel).view(param->sharded_size()));
+    offset += param->padded_shard_numel();
+  }
 }
 
 at::Tensor FsdpParamGroup::comm_buffer(c10d::ProcessGroup& group, int64_t numel,
@@ -259,6 +332,7 @@ void FsdpParamGroup::finalize_backward() {
 
 void FsdpParamGroup::reset_iter_state() {
   drop_pending_all_gather();
+  partial_reduce_output_ = at::Tensor();
   // The failed iteration's gradients must not be reduced with the next one.
   for (const auto& param : params_) param->take_unsharded_grad();
   post_forward_indices_.clear();

@@ -10,7 +10,13 @@
 //                 forward finished just before this one
 //   post_backward POST_BACKWARD; take the unsharded gradients, reshard,
 //                 issue the reduce-scatter (completed by the next group's
-//                 post_backward or at the end of backward)
+//                 post_backward or at the end of backward: divide, HSDP
+//                 all-reduce across replicas, cast to the parameters' dtype,
+//                 accumulate into the sharded gradients)
+//
+// HSDP: the shard group is the mesh's last dim, the replicate group its
+// first; parameters are gathered within the shard group and gradients are
+// reduce-scattered there, then all-reduced across the replicate group.
 //
 // Collectives go through c10d::ProcessGroup, so any backend works and
 // CommDebugMode counts them as c10d::_allgather_base_ / _reduce_scatter_base_.
@@ -37,6 +43,9 @@ using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 // Knobs set through FSDPModule's setters (upstream's names and defaults).
 struct GroupOptions {
   bool reduce_grads = true;
+  // HSDP: all-reduce across replicas after the reduce-scatter; off, the
+  // reduce-scattered gradients accumulate locally until a step that does.
+  bool all_reduce_grads = true;
   bool reshard_after_backward = true;
   bool unshard_in_backward = true;
   std::optional<double> gradient_divide_factor;
@@ -49,7 +58,15 @@ struct GroupOptions {
 
 class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpParamGroup> {
  public:
-  FsdpParamGroup(std::vector<std::shared_ptr<FsdpParam>> params, ProcessGroupPtr shard_group);
+  // replicate_group: HSDP's (null for FSDP).
+  FsdpParamGroup(std::vector<std::shared_ptr<FsdpParam>> params, ProcessGroupPtr shard_group,
+                 ProcessGroupPtr replicate_group = {});
+
+  // Applies a MixedPrecisionPolicy's dtypes to every parameter and checks
+  // that trainable parameters agree on their dtype and reduce dtype
+  // (upstream's _init_mp_dtypes; AssertionError otherwise).
+  void init_mp_dtypes(std::optional<at::ScalarType> param_dtype,
+                      std::optional<at::ScalarType> reduce_dtype);
 
   // reshard_after_forward: false keeps parameters unsharded after forward;
   // true reshards them, to `post_forward_group` (a smaller group of
@@ -74,6 +91,10 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   // Unshards this group as if it were in `state` (explicit or implicit
   // prefetch); the state is restored afterwards.
   void prefetch_unshard(TrainingState state);
+  // Finishes a reduction this group issued (called by the comm context in
+  // issue order): waits, divides, all-reduces across replicas (HSDP), casts
+  // to the parameters' dtype and accumulates into the sharded gradients.
+  void complete_reduce(PendingReduce reduce);
   // Back to IDLE and SHARDED after an exception mid-step: drops pending
   // collectives (waiting on them) and the forward-order bookkeeping.
   void reset_iter_state();
@@ -95,13 +116,14 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   const std::vector<std::shared_ptr<FsdpParam>>& params() const { return params_; }
   GroupOptions& options() { return options_; }
   const ProcessGroupPtr& shard_group() const { return shard_group_; }
+  const ProcessGroupPtr& replicate_group() const { return replicate_group_; }
 
  private:
   struct PendingAllGather {
     at::Tensor output;                    // flat, world * input numel
     c10::intrusive_ptr<c10d::Work> work;  // null at world size 1
     int64_t world_size;
-    std::vector<int64_t> split_sizes;
+    std::vector<int64_t> split_sizes;     // elements of each parameter's unsharded dtype
   };
 
   void to_sharded_post_forward();
@@ -116,6 +138,7 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
 
   std::vector<std::shared_ptr<FsdpParam>> params_;
   ProcessGroupPtr shard_group_;
+  ProcessGroupPtr replicate_group_;
   ProcessGroupPtr post_forward_group_;
   std::vector<py::object> post_forward_specs_;
   bool reshard_after_forward_ = true;
@@ -127,6 +150,14 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   ShardedState sharded_state_ = ShardedState::kSharded;
   std::optional<PendingAllGather> pending_all_gather_;
   std::vector<size_t> post_forward_indices_;
+  // Over trainable parameters, set by init_mp_dtypes: the dtype sharded
+  // gradients are accumulated in, and the reduce dtype (nullopt: the
+  // gradients' own).
+  std::optional<at::ScalarType> orig_dtype_;
+  std::optional<at::ScalarType> reduce_dtype_;
+  // HSDP without all-reduce: reduce-scattered gradients summed across
+  // backwards until one all-reduces (reduce dtype, this rank's chunk).
+  at::Tensor partial_reduce_output_;
 };
 
 }  // namespace fsdp_ext::fsdp

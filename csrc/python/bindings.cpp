@@ -9,7 +9,6 @@
 #include "backend/fsdp_ext_backend.hpp"
 #include "comm/algorithm_selection.h"
 #include "fsdp/copy_kernels.hpp"
-#include "fsdp/group_collectives.hpp"
 
 namespace py = pybind11;
 using fsdp_ext::backend::FsdpExtBackend;
@@ -87,23 +86,28 @@ PYBIND11_MODULE(_C, m) {
 
   // FSDP copy kernels (the first pieces of the C++ FSDP runtime; see
   // csrc/fsdp/copy_kernels.hpp for the layouts).
-  m.def("_fsdp_all_gather_copy_in", &fsdp_ext::fsdp::all_gather_copy_in, py::arg("shards"),
-        py::arg("output"), py::arg("rank"), py::arg("world_size"),
-        "Copy every shard into this rank's chunk of the flat all-gather output; returns that chunk.");
+  m.def(
+      "_fsdp_all_gather_copy_in",
+      [](const std::vector<at::Tensor>& shards, const at::Tensor& output, int64_t rank,
+         int64_t world_size, std::optional<std::vector<at::ScalarType>> gather_dtypes) {
+        std::vector<at::ScalarType> dtypes;
+        if (gather_dtypes) {
+          dtypes = std::move(*gather_dtypes);
+        } else {
+          for (const at::Tensor& shard : shards) dtypes.push_back(shard.scalar_type());
+        }
+        return fsdp_ext::fsdp::all_gather_copy_in(shards, dtypes, output, rank, world_size);
+      },
+      py::arg("shards"), py::arg("output"), py::arg("rank"), py::arg("world_size"),
+      py::arg("gather_dtypes") = py::none(),
+      "Copy every shard (cast to its all-gather dtype, default its own) into this rank's\n"
+      "chunk of the flat all-gather output; returns that chunk.");
   m.def("_fsdp_all_gather_copy_out", &fsdp_ext::fsdp::all_gather_copy_out, py::arg("output"),
         py::arg("split_sizes"), py::arg("world_size"), py::arg("outputs"),
         "Copy the flat all-gather output into per-parameter (world_size x split) tensors.");
   m.def("_fsdp_reduce_scatter_copy_in", &fsdp_ext::fsdp::reduce_scatter_copy_in,
         py::arg("gradients"), py::arg("world_size"), py::arg("output"),
         "Write gradients in the reduce-scatter input layout (torch._chunk_cat's).");
-
-  m.def("_fsdp_all_gather_group", &fsdp_ext::fsdp::all_gather_group, py::arg("shards"),
-        py::arg("padded_unsharded"), py::arg("group"), py::call_guard<py::gil_scoped_release>(),
-        "Unshard a parameter group: copy-in, one flat all-gather through the group, copy-out.");
-  m.def("_fsdp_reduce_scatter_group", &fsdp_ext::fsdp::reduce_scatter_group,
-        py::arg("gradients"), py::arg("sharded"), py::arg("group"), py::arg("divide_factor"),
-        py::call_guard<py::gil_scoped_release>(),
-        "Reduce a group's gradients: reduce-scatter layout, one flat reduce-scatter, copy-out.");
 
   m.def("_shutdown_all", &FsdpExtBackend::shutdown_all,
         py::call_guard<py::gil_scoped_release>(),

@@ -63,6 +63,9 @@ void bind_fsdp_runtime(py::module_& m) {
       .def_property_readonly("sharded_size", &FsdpParam::sharded_size)
       .def_property_readonly("padded_sharded_data", &FsdpParam::padded_sharded_data)
       .def_property_readonly("is_meta", &FsdpParam::is_meta)
+      .def_property_readonly("orig_dtype", &FsdpParam::orig_dtype)
+      .def_property_readonly("param_dtype", &FsdpParam::param_dtype)
+      .def_property_readonly("reduce_dtype", &FsdpParam::reduce_dtype)
       .def("reset_sharded_param", &FsdpParam::reset_sharded_param)
       .def("__repr__", [](const FsdpParam& p) {
         std::string sizes;
@@ -79,8 +82,16 @@ void bind_fsdp_runtime(py::module_& m) {
       .def("clear_post_forward_order", [](FsdpCommContext& c) { c.post_forward_order.clear(); });
 
   py::class_<FsdpParamGroup, std::shared_ptr<FsdpParamGroup>>(m, "FsdpParamGroup")
-      .def(py::init<std::vector<std::shared_ptr<FsdpParam>>, ProcessGroupPtr>(),
-           py::arg("params"), py::arg("shard_group"))
+      .def(py::init([](std::vector<std::shared_ptr<FsdpParam>> params, ProcessGroupPtr shard_group,
+                       const py::object& replicate_group) {
+             return std::make_shared<FsdpParamGroup>(std::move(params), std::move(shard_group),
+                                                     optional_group(replicate_group));
+           }),
+           py::arg("params"), py::arg("shard_group"), py::arg("replicate_group") = py::none(),
+           "replicate_group: HSDP's group across replicas (None for FSDP).")
+      .def("init_mp_dtypes", &FsdpParamGroup::init_mp_dtypes, py::arg("param_dtype"),
+           py::arg("reduce_dtype"),
+           "Apply a MixedPrecisionPolicy's dtypes; AssertionError if trainable parameters disagree.")
       .def(
           "set_reshard_after_forward",
           [](FsdpParamGroup& g, bool reshard, const py::object& post_forward_group,
@@ -116,6 +127,10 @@ void bind_fsdp_runtime(py::module_& m) {
       .def_property("module_fqn", &FsdpParamGroup::module_fqn, &FsdpParamGroup::set_module_fqn)
       .def_property_readonly("params", &FsdpParamGroup::params)
       .def_property_readonly("shard_group", &FsdpParamGroup::shard_group)
+      .def_property_readonly("replicate_group", &FsdpParamGroup::replicate_group)
+      .def_property(
+          "all_reduce_grads", [](FsdpParamGroup& g) { return g.options().all_reduce_grads; },
+          [](FsdpParamGroup& g, bool v) { g.options().all_reduce_grads = v; })
       .def_property(
           "reduce_grads", [](FsdpParamGroup& g) { return g.options().reduce_grads; },
           [](FsdpParamGroup& g, bool v) { g.options().reduce_grads = v; })

@@ -4,6 +4,8 @@ and build the C++ parameter group. Nothing here runs per training step."""
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -22,21 +24,48 @@ def default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def validate_mesh(mesh: DeviceMesh) -> None:
+class MeshInfo(NamedTuple):
+    """Which mesh dims shard and replicate: a 1-D mesh shards on its only dim
+    (FSDP); a 2-D mesh replicates on dim 0 and shards on dim 1 (HSDP)."""
+
+    mesh: DeviceMesh
+    shard_dim: int
+    replicate_dim: Optional[int]
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh.size(self.shard_dim)
+
+    @property
+    def shard_rank(self) -> int:
+        return self.mesh.get_local_rank(self.shard_dim)
+
+    @property
+    def shard_group(self):
+        return self.mesh.get_group(self.shard_dim)
+
+    @property
+    def replicate_group(self):
+        return None if self.replicate_dim is None else self.mesh.get_group(self.replicate_dim)
+
+    def placements(self, shard: Shard) -> tuple:
+        return (shard,) if self.replicate_dim is None else (Replicate(), shard)
+
+
+def mesh_info(mesh: DeviceMesh) -> MeshInfo:
+    """Checks ``mesh`` as upstream does and says how it is used."""
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
-    if mesh.ndim == 2:
-        if mesh.mesh_dim_names is None:
-            raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
-        raise NotImplementedError(
-            "torch_fsdp_ext.fully_shard: 2-D meshes (HSDP) are not supported yet; "
-            "use torch.distributed.fsdp.fully_shard for HSDP"
-        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
     if mesh.device_type != "cpu":
         raise NotImplementedError(
             f"torch_fsdp_ext.fully_shard: {mesh.device_type} meshes are not supported yet "
             "(CPU only in this release)"
         )
+    if mesh.ndim == 1:
+        return MeshInfo(mesh, shard_dim=0, replicate_dim=None)
+    return MeshInfo(mesh, shard_dim=1, replicate_dim=0)
 
 
 def validate_module(module) -> None:
@@ -54,18 +83,13 @@ def validate_module(module) -> None:
 def validate_policies(mp_policy, offload_policy) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    if any(d is not None for d in (mp_policy.param_dtype, mp_policy.reduce_dtype, mp_policy.output_dtype)):
-        raise NotImplementedError(
-            "torch_fsdp_ext.fully_shard: MixedPrecisionPolicy with dtypes is not supported yet "
-            f"(got {mp_policy})"
-        )
     if isinstance(offload_policy, CPUOffloadPolicy):
         raise NotImplementedError("torch_fsdp_ext.fully_shard: CPUOffloadPolicy is not supported yet")
 
 
-def post_forward_setting(reshard_after_forward, mesh: DeviceMesh):
+def post_forward_setting(reshard_after_forward, info: MeshInfo):
     """(reshard after forward?, the smaller mesh to reshard to or None)."""
-    world = mesh.size()
+    world = info.shard_size
     value = reshard_after_forward
     if not isinstance(value, (bool, int)):
         raise ValueError(
@@ -89,8 +113,9 @@ def post_forward_setting(reshard_after_forward, mesh: DeviceMesh):
             return False, None
         if value == world:
             return True, None
-        # Groups of `value` consecutive ranks: a 2-D mesh whose dim 1 shards.
-        return True, DeviceMesh(mesh.device_type, mesh.mesh.view(-1, value))
+        # Groups of `value` consecutive ranks: a 2-D mesh whose dim 1 shards
+        # (HSDP's replicas are flattened into dim 0).
+        return True, DeviceMesh(info.mesh.device_type, info.mesh.mesh.view(-1, value))
     return value, None
 
 
@@ -146,12 +171,6 @@ def managed_states(modules, ignored_params):
 
 def validate_params(params) -> None:
     """What fully_shard cannot shard, refused before the state and hooks exist."""
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) > 1:
-        raise NotImplementedError(
-            "torch_fsdp_ext.fully_shard: parameters of one fully_shard call must share a "
-            f"dtype (got {sorted(str(d) for d in dtypes)}); wrap them separately"
-        )
     for param in params:
         if isinstance(param, DTensor):
             raise NotImplementedError(
@@ -193,12 +212,13 @@ def module_slots(params, modules):
     return [wanted[id(p)] for p in params]
 
 
-def shard_param(param: nn.Parameter, mesh: DeviceMesh, fqn: str, slots):
-    """Shards `param` on dim 0 as upstream does: every rank holds ceil(d0 / W)
-    rows (zero padding at the tail); the DTensor's local tensor is the real
-    rows, a view of the padded buffer the all-gather reads."""
-    world = mesh.size()
-    rank = mesh.get_local_rank()
+def shard_param(param: nn.Parameter, info: MeshInfo, fqn: str, slots):
+    """Shards `param` on dim 0 of the shard mesh dim as upstream does: every
+    rank holds ceil(d0 / W) rows (zero padding at the tail); the DTensor's
+    local tensor is the real rows, a view of the padded buffer the all-gather
+    reads. Under HSDP the DTensor is (Replicate(), Shard(0)) on the 2-D mesh."""
+    world = info.shard_size
+    rank = info.shard_rank
     rows = -(-param.shape[0] // world)
     start = min(rank * rows, param.shape[0])
     length = max(0, min(rows, param.shape[0] - start))
@@ -207,7 +227,8 @@ def shard_param(param: nn.Parameter, mesh: DeviceMesh, fqn: str, slots):
         if length and param.device.type != "meta":
             padded[:length].copy_(param[start:start + length])
     spec = DTensorSpec(
-        mesh, (Shard(0),), tensor_meta=TensorMeta(param.shape, param.stride(), param.dtype)
+        info.mesh, info.placements(Shard(0)),
+        tensor_meta=TensorMeta(param.shape, param.stride(), param.dtype),
     )
     local = padded[:length]
     sharded = nn.Parameter(

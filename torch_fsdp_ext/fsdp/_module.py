@@ -39,7 +39,7 @@ def fully_shard(
     torch._C._log_api_usage_once("torch_fsdp_ext.fully_shard")
     _init.validate_module(module)
     mesh = mesh or _init.default_mesh()
-    _init.validate_mesh(mesh)
+    info = _init.mesh_info(mesh)
     _init.validate_policies(mp_policy, offload_policy)
     if dp_mesh_dims is not None:
         raise NotImplementedError(
@@ -51,7 +51,7 @@ def fully_shard(
         )
     auto_reshard = reshard_after_forward is None
     reshard, post_forward_mesh = _init.post_forward_setting(
-        True if auto_reshard else reshard_after_forward, mesh
+        True if auto_reshard else reshard_after_forward, info
     )
     device = torch.device(mesh.device_type)
     roots = (module,) if isinstance(module, nn.Module) else tuple(_get_root_modules(list(module)))
@@ -61,14 +61,14 @@ def fully_shard(
     _init.validate_params(params)
 
     state = fully_shard.state(roots[0])
-    state.init(roots, device, auto_reshard)
+    state.init(roots, device, mp_policy, auto_reshard)
     if params:
         slots = _init.module_slots(params, roots)
         fsdp_params = [
-            _init.shard_param(p, mesh, f"{type(s[0][0]).__name__}.{s[0][1]}", s)
+            _init.shard_param(p, info, f"{type(s[0][0]).__name__}.{s[0][1]}", s)
             for p, s in zip(params, slots)
         ]
-        group = _C.FsdpParamGroup(fsdp_params, mesh.get_group(0))
+        group = _C.FsdpParamGroup(fsdp_params, info.shard_group, info.replicate_group)
         if post_forward_mesh is not None:
             group.set_reshard_after_forward(
                 True, post_forward_mesh.get_group(1),
@@ -174,11 +174,14 @@ class FSDPModule:
         self._get_fsdp_state()._state_ctx.is_last_backward = is_last_backward
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Off: no reduce-scatter nor all-reduce; gradients accumulate unsharded."""
         _set_group_option(self, "reduce_grads", requires_gradient_sync, recurse)
+        _set_group_option(self, "all_reduce_grads", requires_gradient_sync, recurse)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        # Only HSDP all-reduces, and HSDP is not supported yet: nothing to set.
-        return
+        """HSDP: off, gradients are reduce-scattered but not all-reduced across
+        replicas; the partial sums accumulate until a backward that does."""
+        _set_group_option(self, "all_reduce_grads", requires_all_reduce, recurse)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):

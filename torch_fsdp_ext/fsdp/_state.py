@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed._composable_state import _get_module_state, _insert_module_state, _State
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from .. import _C
 from ._trace import ShardedState, TrainingState
@@ -82,12 +82,16 @@ class FSDPState(_State):
 
     # Set-up ------------------------------------------------------------------
 
-    def init(self, modules: tuple[nn.Module, ...], device: torch.device,
+    def init(self, modules: tuple[nn.Module, ...], device: torch.device, mp_policy,
              auto_reshard_after_forward: bool) -> None:
         for module in modules:
             _insert_module_state(module, self)
         self._modules = modules
         self._device = device
+        self._mp_policy = mp_policy
+        # The casts the hooks apply (None: none), decided once.
+        self._input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
+        self._output_dtype = mp_policy.output_dtype
         self._auto_reshard_after_forward = auto_reshard_after_forward
         if len(modules) == 1:
             self._hook_handles = [
@@ -110,7 +114,7 @@ class FSDPState(_State):
         def post_hook(module, args, output):
             to_run.discard(module)
             if to_run:
-                return output
+                return _cast_floating(output, self._output_dtype)
             return self._post_forward(module, args, output)
 
         for module in modules:
@@ -174,6 +178,8 @@ class FSDPState(_State):
             return
         with torch.no_grad():
             group.reset_sharded_params()
+        policy = self._mp_policy
+        group.init_mp_dtypes(policy.param_dtype, policy.reduce_dtype)
         on_meta = [p.fqn for p in group.params if p.is_meta]
         if on_meta:
             raise RuntimeError(
@@ -195,13 +201,16 @@ class FSDPState(_State):
             if group is not None and group.sharded_state != _UNSHARDED:
                 group.unshard()
                 group.wait_for_unshard()
-            return args, kwargs
+            return _cast_floating((args, kwargs), self._input_dtype)
         first_in_pass = self._training_state is not TrainingState.FORWARD
         self._training_state = TrainingState.FORWARD
         if first_in_pass:
             self._lazy_init()
             if self._state_ctx.iter_forward_root is None:
                 self._state_ctx.iter_forward_root = self
+        # Cast before the post-backward hook wraps the inputs, so that it sees
+        # the gradients of the tensors the module really receives.
+        args, kwargs = _cast_floating((args, kwargs), self._input_dtype)
         if group is not None:
             entering = group.training_state != _FORWARD
             group.pre_forward()
@@ -215,7 +224,7 @@ class FSDPState(_State):
 
     def _post_forward(self, module: nn.Module, input: Any, output: Any):
         if self._training_state is TrainingState.PRE_BACKWARD:
-            return output
+            return _cast_floating(output, self._output_dtype)
         group = self._fsdp_param_group
         if group is not None:
             group.post_forward(_inside_backward())
@@ -224,7 +233,7 @@ class FSDPState(_State):
         if self._state_ctx.iter_forward_root is self:
             output = self._force_complete_incomplete_states(output)
             self._state_ctx.iter_forward_root = None
-        return output
+        return _cast_floating(output, self._output_dtype)
 
     def _force_complete_incomplete_states(self, output: Any) -> Any:
         """Grouped states whose forward ran only some of their modules
@@ -236,6 +245,7 @@ class FSDPState(_State):
                 state._fsdp_param_group.post_forward(_inside_backward())
             output = state._register_pre_backward_hook(output)
             state._training_state = TrainingState.IDLE
+            output = _cast_floating(output, state._output_dtype)
             state._modules_to_run_forward.clear()
         return output
 
@@ -300,6 +310,20 @@ class FSDPState(_State):
         self._comm_ctx.clear_post_forward_order()
         ctx.iter_forward_root = None
         ctx.post_backward_final_callback_queued = False
+
+
+def _cast_floating(tree: Any, dtype: Optional[torch.dtype]) -> Any:
+    """Floating-point tensors in ``tree`` cast to ``dtype`` (mixed precision's
+    input and output casts); ``tree`` itself when dtype is None."""
+    if dtype is None:
+        return tree
+
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            return tensor.to(dtype)
+        return tensor
+
+    return tree_map_only(torch.Tensor, cast, tree)
 
 
 def _register_post_backward(group, args: tuple, kwargs: dict):

@@ -143,3 +143,29 @@ def test_reduce_scatter_copy_in_casts_to_the_reduce_dtype(world_size, reduce_dty
     _C._fsdp_reduce_scatter_copy_in(grads, world_size, ours)
     expected = torch._chunk_cat([g.to(reduce_dtype) for g in grads], 0, world_size)
     assert torch.equal(ours, expected.reshape(-1))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("shape,dim", [((4, 6), 1), ((2, 3, 12), 2), ((5, 6, 2), 1)])
+def test_layouts_of_a_parameter_sharded_on_another_dim(world_size, shape, dim):
+    """Shard(d > 0): rank r's shard is chunk r along d; the copy-out rebuilds
+    the tensor along d (torch.cat of the chunks) and the reduce-scatter input
+    row r holds chunk r along d, flattened. A dim-0 neighbour keeps its layout."""
+    full = values(shape, torch.float32, salt=5)
+    other = values((5, 2), torch.float32, salt=9)
+    chunks = [c.contiguous() for c in full.chunk(world_size, dim)]
+    other_rows = -(-other.shape[0] // world_size)
+    padded_other = torch.zeros(other_rows * world_size, 2)
+    padded_other[:other.shape[0]] = other
+    gathered = torch.cat([torch.cat([chunks[r].reshape(-1),
+                                     padded_other[r * other_rows:(r + 1) * other_rows].reshape(-1)])
+                          for r in range(world_size)])
+    out_full = torch.empty(shape)
+    out_other = torch.empty(other_rows * world_size * 2)
+    _C._fsdp_all_gather_copy_out(gathered, [chunks[0].numel(), other_rows * 2], world_size,
+                                 [out_full, out_other], [dim, 0])
+    assert torch.equal(out_full, full)
+    assert torch.equal(out_other.view(-1, 2)[:other.shape[0]], other)
+    rs_input = torch.empty(gathered.numel())
+    _C._fsdp_reduce_scatter_copy_in([full, other], world_size, rs_input, [dim, 0])
+    assert torch.equal(rs_input, gathered)

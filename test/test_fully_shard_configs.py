@@ -109,6 +109,27 @@ class FrozenScaleStack(nn.Sequential):
 # Side-by-side training
 
 
+def placement_fn(name, shard_world):
+    """shard_placement_fn variants: "dim1" shards 2-D weights on dim 1,
+    "last" on dim -1 (a negative dim), "largest" on their largest dim; each
+    falls back to Shard(0) (None) where that dim does not divide evenly."""
+    from torch.distributed.tensor import Shard
+
+    if name == "none":
+        return None
+
+    def fn(param):
+        if param.ndim < 2:
+            return None
+        dim = {"dim1": 1, "last": param.ndim - 1,
+               "largest": max(range(param.ndim), key=lambda d: param.shape[d])}[name]
+        if param.shape[dim] % shard_world != 0:
+            return None
+        return Shard(-1) if name == "last" else Shard(dim)
+
+    return fn
+
+
 def _shard(model, api, mesh, block_policy, root_policy, **kwargs):
     blocks = model.layers if hasattr(model, "layers") else list(model)
     for block in blocks:
@@ -126,7 +147,7 @@ def _batch_loss(model, rank, step):
 
 
 def train_side_by_side(ctx, backend, mesh_shape, model_name, block_policy_name,
-                       root_policy_name, microbatches, no_sync):
+                       root_policy_name, microbatches, no_sync, placement="none"):
     """Trains ours and upstream's fully_shard on identical copies; returns
     {impl: (losses, comm counts per step, final full params, param dtypes,
     grad dtypes)}. `no_sync`: "none", "gradient_sync" (all but the last
@@ -141,7 +162,8 @@ def train_side_by_side(ctx, backend, mesh_shape, model_name, block_policy_name,
     for impl in IMPLS:
         api = fsdp_api(impl)
         model = copy.deepcopy(base)
-        _shard(model, api, mesh, block_policy, root_policy)
+        _shard(model, api, mesh, block_policy, root_policy,
+               shard_placement_fn=placement_fn(placement, mesh_shape[-1]))
         optim = torch.optim.SGD(model.parameters(), lr=0.1)
         losses, counts = [], []
         for step in range(STEPS):
@@ -165,6 +187,7 @@ def train_side_by_side(ctx, backend, mesh_shape, model_name, block_policy_name,
         results[impl] = dict(
             losses=losses, counts=counts, full=full,
             param_dtypes=[str(p.dtype) for p in model.parameters()],
+            placements=[str(p.placements) for p in model.parameters()],
         )
     return results
 
@@ -176,15 +199,16 @@ def assert_same_training(results, what):
     assert ours["counts"] == upstream["counts"], (
         f"{what}: comm counts differ\n ours     {ours['counts']}\n upstream {upstream['counts']}")
     assert ours["param_dtypes"] == upstream["param_dtypes"], what
+    assert ours["placements"] == upstream["placements"], what
     for i, (a, b) in enumerate(zip(ours["full"], upstream["full"])):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{what}: parameter {i} differs"
 
 
 def _run(ws, backend, mesh_shape, model_name, block_policy, root_policy=None,
-         microbatches=1, no_sync="none"):
+         microbatches=1, no_sync="none", placement="none"):
     pool = get_pool(ws)
     per_rank = pool.run(train_side_by_side, backend, mesh_shape, model_name, block_policy,
-                        root_policy, microbatches, no_sync)
+                        root_policy, microbatches, no_sync, placement)
     for rank, results in enumerate(per_rank):
         assert_same_training(results, f"rank {rank} {backend} mesh {mesh_shape} {block_policy}")
     return per_rank
@@ -310,4 +334,45 @@ def _hsdp_placements(ctx):
         api.fully_shard(model, mesh=mesh)
         out[impl] = [(str(p.placements), tuple(p.to_local().shape), tuple(p.shape))
                      for p in model.parameters()]
+    return out
+
+
+# --------------------------------------------------------------------------
+# shard_placement_fn
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("placement", ["dim1", "last", "largest"])
+def test_shard_placement_matches_upstream_ws2(backend, placement):
+    per_rank = _run(2, backend, (2,), "lm", "none", placement=placement)
+    placements = per_rank[0]["ours"]["placements"]
+    assert any("Shard(dim=1)" in p for p in placements), placements
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["fsdp4", "hsdp2x2"])
+def test_shard_placement_with_mixed_precision_ws4(mesh_shape):
+    _run(4, "fsdp_ext", mesh_shape, "lm", "bf16_reduce_fp32", placement="dim1")
+
+
+def test_shard_placement_errors_match_upstream(pool2):
+    results = pool2.run(_placement_errors)
+    assert results[0]["ours"] == results[0]["upstream"], results[0]
+    assert all("no error" not in r for r in results[0]["ours"]), results[0]
+
+
+def _placement_errors(ctx):
+    from torch.distributed.tensor import Shard
+
+    mesh = make_mesh(ctx, "fsdp_ext", (ctx.world_size,))
+    cases = [lambda p: Shard(1), lambda p: Shard(2), lambda p: "Shard(0)"]
+    out = {}
+    for impl in IMPLS:
+        api = fsdp_api(impl)
+        out[impl] = []
+        for fn in cases:
+            try:
+                api.fully_shard(nn.Linear(3, 4), mesh=mesh, shard_placement_fn=fn)
+                out[impl].append("no error")
+            except Exception as error:  # the type and first words are compared
+                out[impl].append(f"{type(error).__name__}: {str(error).split(':')[0]}")
     return out

@@ -358,11 +358,9 @@ def test_nested_traces():
 def check_not_implemented(ctx):
     import torch_fsdp_ext
     from torch.distributed.fsdp import CPUOffloadPolicy
-    from torch.distributed.tensor import Shard
 
     cases = [
         (dict(offload_policy=CPUOffloadPolicy()), "CPUOffloadPolicy"),
-        (dict(shard_placement_fn=lambda p: Shard(0)), "shard_placement_fn"),
         (dict(dp_mesh_dims=object()), "dp_mesh_dims"),
     ]
     for kwargs, what in cases:

@@ -48,13 +48,40 @@ void copy_cast_raw(void* destination, at::ScalarType dtype, const at::Tensor& so
   target.copy_(source.view({numel}));
 }
 
-int64_t padded_chunk_numel(at::IntArrayRef sizes, int64_t world_size) {
+int64_t padded_chunk_numel(at::IntArrayRef sizes, int64_t world_size, int64_t shard_dim) {
   TORCH_CHECK_VALUE(!sizes.empty(), "fsdp_ext: a 0-dim tensor has no dim 0 to shard");
-  const int64_t rows = (sizes[0] + world_size - 1) / world_size;
-  int64_t numel = rows;
-  for (size_t d = 1; d < sizes.size(); ++d) numel *= sizes[d];
+  TORCH_CHECK_VALUE(shard_dim >= 0 && shard_dim < static_cast<int64_t>(sizes.size()),
+                    "fsdp_ext: shard dim ", shard_dim, " is invalid for a ", sizes.size(),
+                    "-D tensor");
+  TORCH_CHECK_VALUE(shard_dim == 0 || sizes[shard_dim] % world_size == 0,
+                    "fsdp_ext: Shard(", shard_dim, ") needs dim ", shard_dim, " (size ",
+                    sizes[shard_dim], ") divisible by the world size ", world_size);
+  const int64_t chunk = (sizes[shard_dim] + world_size - 1) / world_size;
+  int64_t numel = chunk;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (static_cast<int64_t>(d) != shard_dim) numel *= sizes[d];
+  }
   return numel;
 }
+
+namespace {
+
+int64_t dim_of(const std::vector<int64_t>& shard_dims, size_t i) {
+  return shard_dims.empty() ? 0 : shard_dims[i];
+}
+
+void check_shard_dims(const char* kernel, const std::vector<int64_t>& shard_dims, size_t count) {
+  TORCH_CHECK_VALUE(shard_dims.empty() || shard_dims.size() == count, "fsdp_ext ", kernel, ": ",
+                    shard_dims.size(), " shard dims for ", count, " tensors");
+}
+
+// Rank `rank`'s chunk along dim d > 0 of `full` (sizes evenly divisible).
+at::Tensor chunk_along(const at::Tensor& full, int64_t dim, int64_t rank, int64_t world_size) {
+  const int64_t size = full.size(dim) / world_size;
+  return full.narrow(dim, rank * size, size);
+}
+
+}  // namespace
 
 at::Tensor all_gather_copy_in(const std::vector<at::Tensor>& shards,
                               const std::vector<at::ScalarType>& gather_dtypes,
@@ -87,9 +114,11 @@ at::Tensor all_gather_copy_in(const std::vector<at::Tensor>& shards,
 }
 
 void all_gather_copy_out(const at::Tensor& output, const std::vector<int64_t>& split_sizes,
-                         int64_t world_size, const std::vector<at::Tensor>& outputs) {
+                         int64_t world_size, const std::vector<at::Tensor>& outputs,
+                         const std::vector<int64_t>& shard_dims) {
   constexpr const char* kKernel = "all_gather_copy_out";
   check_world(kKernel, world_size);
+  check_shard_dims(kKernel, shard_dims, outputs.size());
   check_dense(kKernel, output, "the all-gather output");
   TORCH_CHECK_VALUE(split_sizes.size() == outputs.size(), "fsdp_ext ", kKernel, ": ",
                     split_sizes.size(), " split sizes for ", outputs.size(), " outputs");
@@ -103,32 +132,55 @@ void all_gather_copy_out(const at::Tensor& output, const std::vector<int64_t>& s
     TORCH_CHECK_VALUE(outputs[i].numel() == split_sizes[i] * world_size, "fsdp_ext ", kKernel,
                       ": output ", i, " has ", outputs[i].numel(), " elements, expected ",
                       split_sizes[i] * world_size);
+    const int64_t dim = dim_of(shard_dims, i);
+    TORCH_CHECK_VALUE(dim == 0 || (dim < outputs[i].dim() && outputs[i].size(dim) % world_size == 0),
+                      "fsdp_ext ", kKernel, ": output ", i, " of shape ", outputs[i].sizes(),
+                      " cannot be split evenly along dim ", dim, " over ", world_size, " ranks");
     chunk_bytes += byte_size(split_sizes[i], outputs[i].scalar_type());
   }
   TORCH_CHECK_VALUE(static_cast<int64_t>(output.nbytes()) == chunk_bytes * world_size,
                     "fsdp_ext ", kKernel, ": the all-gather output has ", output.nbytes(),
                     " bytes, expected ", chunk_bytes * world_size);
-  const char* source = bytes_of(output);
+  // Destinations sharded on dim d > 0 are written through tensors of their
+  // own (not views of outputs[i]): the unsharded parameter's version counter
+  // must not move (see copy_cast_raw).
+  std::vector<at::Tensor> strided_targets(outputs.size());
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (dim_of(shard_dims, i) != 0) {
+      strided_targets[i] = at::from_blob(outputs[i].data_ptr(), outputs[i].sizes(),
+                                         outputs[i].options());
+    }
+  }
+  char* source = bytes_of(output);
   for (int64_t w = 0; w < world_size; ++w) {
     for (size_t i = 0; i < outputs.size(); ++i) {
       const size_t bytes = static_cast<size_t>(split_sizes[i]) * outputs[i].element_size();
-      if (bytes != 0) std::memcpy(bytes_of(outputs[i]) + w * bytes, source, bytes);
+      if (bytes != 0) {
+        const int64_t dim = dim_of(shard_dims, i);
+        if (dim == 0) {
+          std::memcpy(bytes_of(outputs[i]) + w * bytes, source, bytes);
+        } else {
+          at::Tensor target = chunk_along(strided_targets[i], dim, w, world_size);
+          target.copy_(at::from_blob(source, target.sizes(), outputs[i].options()));
+        }
+      }
       source += bytes;
     }
   }
 }
 
 void reduce_scatter_copy_in(const std::vector<at::Tensor>& gradients, int64_t world_size,
-                            const at::Tensor& output) {
+                            const at::Tensor& output, const std::vector<int64_t>& shard_dims) {
   constexpr const char* kKernel = "reduce_scatter_copy_in";
   check_world(kKernel, world_size);
+  check_shard_dims(kKernel, shard_dims, gradients.size());
   check_dense(kKernel, output, "the output");
   TORCH_CHECK_TYPE(output.scalar_type() != at::kByte, "fsdp_ext ", kKernel,
                    ": the output must have the reduce dtype, not uint8");
   int64_t row_numel = 0;
   for (size_t i = 0; i < gradients.size(); ++i) {
     check_dense(kKernel, gradients[i], "gradient " + std::to_string(i));
-    row_numel += padded_chunk_numel(gradients[i].sizes(), world_size);
+    row_numel += padded_chunk_numel(gradients[i].sizes(), world_size, dim_of(shard_dims, i));
   }
   TORCH_CHECK_VALUE(output.numel() == row_numel * world_size, "fsdp_ext ", kKernel,
                     ": the output has ", output.numel(), " elements, expected ",
@@ -137,7 +189,18 @@ void reduce_scatter_copy_in(const std::vector<at::Tensor>& gradients, int64_t wo
   const size_t element = output.element_size();
   char* destination = bytes_of(output);
   for (int64_t r = 0; r < world_size; ++r) {
-    for (const at::Tensor& gradient : gradients) {
+    for (size_t i = 0; i < gradients.size(); ++i) {
+      const at::Tensor& gradient = gradients[i];
+      const int64_t dim = dim_of(shard_dims, i);
+      if (dim != 0) {
+        // Rank r's chunk along dim d, made contiguous (even sizes: no padding).
+        at::Tensor piece = chunk_along(gradient, dim, r, world_size);
+        if (piece.numel() != 0) {
+          at::from_blob(destination, piece.sizes(), output.options()).copy_(piece);
+        }
+        destination += piece.numel() * element;
+        continue;
+      }
       const size_t chunk = static_cast<size_t>(padded_chunk_numel(gradient.sizes(), world_size));
       const size_t total = static_cast<size_t>(gradient.numel());
       // Rank r's chunk covers [r * chunk, (r + 1) * chunk) of the flattened

@@ -9,6 +9,11 @@
 //                      in order, its r-th dim-0 chunk (dim 0 zero-padded to a
 //                      multiple of world_size), flattened (torch._chunk_cat).
 //
+// A parameter sharded on another dim d (shard_placement_fn's Shard(d), even
+// sizes only, as upstream) contributes its r-th chunk along d instead: rank
+// r's shard is that chunk made contiguous, and the copy-out writes each
+// rank's piece back into dim d of the unsharded tensor.
+//
 // Dtypes. The flat all-gather buffer has one dtype: the parameters' common
 // all-gather dtype, or uint8 when they differ (upstream's rule; each
 // parameter then occupies its own bytes in the chunk). Copy-in casts a shard
@@ -38,19 +43,23 @@ at::Tensor all_gather_copy_in(const std::vector<at::Tensor>& shards,
 // outputs[i] viewed as (world_size, split_sizes[i]) gets row w from the
 // parameter's slice of `output`'s w-th chunk. split_sizes count elements of
 // outputs[i]'s dtype, which must be `output`'s unless that is uint8.
+// shard_dims (empty: all 0): where shard_dims[i] = d > 0, outputs[i] has the
+// unsharded shape and rank w's piece fills chunk w along d.
 void all_gather_copy_out(const at::Tensor& output, const std::vector<int64_t>& split_sizes,
-                         int64_t world_size, const std::vector<at::Tensor>& outputs);
+                         int64_t world_size, const std::vector<at::Tensor>& outputs,
+                         const std::vector<int64_t>& shard_dims = {});
 
 // Writes the reduce-scatter input layout of `gradients`, cast to `output`'s
-// dtype, into `output` (numel world_size * sum(padded chunk numels));
-// padding is zero.
+// dtype, into `output` (numel world_size * sum(chunk numels)); padding is
+// zero. shard_dims (empty: all 0) as for the copy-out.
 void reduce_scatter_copy_in(const std::vector<at::Tensor>& gradients, int64_t world_size,
-                            const at::Tensor& output);
+                            const at::Tensor& output, const std::vector<int64_t>& shard_dims = {});
 
-// Elements of one dim-0 chunk of a tensor of `sizes` split world_size ways
-// (dim 0 rounded up to a multiple of world_size): the reduce-scatter output
-// numel per gradient. Tensors must have at least one dimension.
-int64_t padded_chunk_numel(at::IntArrayRef sizes, int64_t world_size);
+// Elements of one chunk of a tensor of `sizes` split world_size ways along
+// `shard_dim`: dim 0 is rounded up to a multiple of world_size (padding);
+// another dim must divide evenly. The reduce-scatter output numel per
+// gradient. Tensors must have at least one dimension.
+int64_t padded_chunk_numel(at::IntArrayRef sizes, int64_t world_size, int64_t shard_dim = 0);
 
 // Copies `source` (contiguous, flattened), cast to `dtype`, to the raw memory
 // at `destination`. Writes through a tensor of its own, so the version

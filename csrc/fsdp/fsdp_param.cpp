@@ -58,17 +58,22 @@ void allocate_storage(const at::Tensor& tensor) {
 
 FsdpParam::FsdpParam(std::string fqn, std::vector<ModuleSlot> slots, py::object sharded_param,
                      at::Tensor padded_sharded_data, std::vector<int64_t> orig_size,
-                     std::vector<int64_t> sharded_size, int64_t shard_world_size)
+                     std::vector<int64_t> sharded_size, int64_t shard_world_size,
+                     int64_t shard_dim)
     : fqn_(std::move(fqn)),
       slots_(std::move(slots)),
       orig_size_(std::move(orig_size)),
       sharded_size_(std::move(sharded_size)),
       shard_world_size_(shard_world_size),
+      shard_dim_(shard_dim),
       sharded_param_(std::move(sharded_param)),
       padded_sharded_data_(std::move(padded_sharded_data)) {
   TORCH_CHECK_VALUE(!slots_.empty(), "fsdp_ext FsdpParam ", fqn_, ": no module holds it");
   TORCH_CHECK_VALUE(padded_sharded_data_.dim() == 1, "fsdp_ext FsdpParam ", fqn_,
                     ": padded sharded data must be 1-D");
+  TORCH_CHECK_VALUE(shard_dim_ >= 0 && shard_dim_ < static_cast<int64_t>(orig_size_.size()),
+                    "fsdp_ext FsdpParam ", fqn_, ": shard dim ", shard_dim_, " is invalid for a ",
+                    orig_size_.size(), "-D parameter");
   spec_ = sharded_param_.attr("_spec");
   register_on_modules(sharded_param_);
 }
@@ -237,11 +242,12 @@ void FsdpParam::reset_sharded_param() {
   TORCH_CHECK_VALUE(local.dim() >= 1 && local.is_contiguous(), "fsdp_ext ", fqn_,
                     ": the sharded local tensor must be contiguous with at least one dim");
   std::vector<int64_t> padded_size = local.sizes().vec();
-  padded_size[0] = (orig_size_[0] + shard_world_size_ - 1) / shard_world_size_;
+  const int64_t dim = shard_dim_;
+  padded_size[dim] = (orig_size_[dim] + shard_world_size_ - 1) / shard_world_size_;
   at::Tensor padded = at::zeros(padded_size, local.options());
-  padded.narrow(0, 0, local.size(0)).copy_(local);
+  padded.narrow(dim, 0, local.size(dim)).copy_(local);
   padded_sharded_data_ = padded.view({-1});
-  sharded_param_.attr("_local_tensor") = padded.narrow(0, 0, local.size(0));
+  sharded_param_.attr("_local_tensor") = padded.narrow(dim, 0, local.size(dim));
   // A later all-gather allocates an output of the new unsharded dtype.
   clamp_dtypes();
 }

@@ -52,9 +52,11 @@ struct FSDP_EXT_HIDDEN ModuleSlot {
 
 class FSDP_EXT_HIDDEN FsdpParam {
  public:
+  // shard_dim: the dim the parameter is sharded on (shard_placement_fn's
+  // Shard(d); 0 by default). Dims other than 0 are sharded evenly, no padding.
   FsdpParam(std::string fqn, std::vector<ModuleSlot> slots, py::object sharded_param,
             at::Tensor padded_sharded_data, std::vector<int64_t> orig_size,
-            std::vector<int64_t> sharded_size, int64_t shard_world_size);
+            std::vector<int64_t> sharded_size, int64_t shard_world_size, int64_t shard_dim = 0);
 
   // Transitions; each registers the matching parameter on every slot.
   void to_sharded();
@@ -105,6 +107,7 @@ class FSDP_EXT_HIDDEN FsdpParam {
   void set_fqn(std::string fqn) { fqn_ = std::move(fqn); }
   const std::vector<int64_t>& orig_size() const { return orig_size_; }
   const std::vector<int64_t>& sharded_size() const { return sharded_size_; }
+  int64_t shard_dim() const { return shard_dim_; }
   int64_t padded_shard_numel() const { return padded_sharded_data_.numel(); }
   bool requires_grad() const { return sharded_tensor().requires_grad(); }
   bool is_meta() const { return padded_sharded_data_.is_meta(); }
@@ -128,6 +131,7 @@ class FSDP_EXT_HIDDEN FsdpParam {
   std::vector<int64_t> orig_size_;
   std::vector<int64_t> sharded_size_;  // this rank's unpadded chunk
   int64_t shard_world_size_;
+  int64_t shard_dim_;
   ShardedState state_ = ShardedState::kSharded;
   std::optional<at::ScalarType> policy_param_dtype_;   // as the policy says
   std::optional<at::ScalarType> policy_reduce_dtype_;

@@ -90,7 +90,8 @@ void FsdpParamGroup::unshard() {
   const ProcessGroupPtr& group = sharded_state_ == ShardedState::kShardedPostForward
                                      ? post_forward_group_
                                      : shard_group_;
-  PendingAllGather pending{at::Tensor(), {}, group->getSize(), {}};
+  PendingAllGather pending{at::Tensor(), {}, group->getSize(), {},
+                           sharded_state_ == ShardedState::kSharded};
   if (pending.world_size > 1) {
     std::vector<at::Tensor> inputs;
     std::vector<at::ScalarType> dtypes;
@@ -134,9 +135,16 @@ void FsdpParamGroup::wait_for_unshard() {
   } else {
     wait_releasing_gil(pending.work);
     std::vector<at::Tensor> outputs;
+    std::vector<int64_t> shard_dims;
     outputs.reserve(params_.size());
-    for (const auto& param : params_) outputs.push_back(param->allocated_all_gather_output());
-    all_gather_copy_out(pending.output, pending.split_sizes, pending.world_size, outputs);
+    for (const auto& param : params_) {
+      const int64_t dim = pending.from_sharded ? param->shard_dim() : 0;
+      const at::Tensor& output = param->allocated_all_gather_output();
+      outputs.push_back(dim == 0 ? output : output.view(param->orig_size()));
+      shard_dims.push_back(dim);
+    }
+    all_gather_copy_out(pending.output, pending.split_sizes, pending.world_size, outputs,
+                        shard_dims);
   }
   for (const auto& param : params_) param->init_unsharded_param();
   to_unsharded();
@@ -250,9 +258,11 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
     if (!grads[i].is_contiguous()) grads[i] = grads[i].contiguous();
     row_numel += params[i]->padded_shard_numel();
   }
+  std::vector<int64_t> shard_dims;
+  for (const auto& param : params) shard_dims.push_back(param->shard_dim());
   const at::TensorOptions options = grads.front().options().dtype(reduce_dtype);
   reduce.input = comm_buffer(*shard_group_, row_numel * world, options);
-  reduce_scatter_copy_in(grads, world, reduce.input);
+  reduce_scatter_copy_in(grads, world, reduce.input, shard_dims);
   grads.clear();  // the unsharded gradients are no longer needed
   if (factors.pre_divide) reduce.input.div_(*factors.pre_divide);
   if (world > 1) {

@@ -124,6 +124,10 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
     c10::intrusive_ptr<c10d::Work> work;  // null at world size 1
     int64_t world_size;
     std::vector<int64_t> split_sizes;     // elements of each parameter's unsharded dtype
+    // Gathered from the sharded parameters (not from post-forward chunks of
+    // the flat unsharded data): parameters sharded on dim d > 0 are
+    // reassembled along d.
+    bool from_sharded = true;
   };
 
   void to_sharded_post_forward();

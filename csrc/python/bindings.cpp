@@ -104,9 +104,11 @@ PYBIND11_MODULE(_C, m) {
       "chunk of the flat all-gather output; returns that chunk.");
   m.def("_fsdp_all_gather_copy_out", &fsdp_ext::fsdp::all_gather_copy_out, py::arg("output"),
         py::arg("split_sizes"), py::arg("world_size"), py::arg("outputs"),
+        py::arg("shard_dims") = std::vector<int64_t>(),
         "Copy the flat all-gather output into per-parameter (world_size x split) tensors.");
   m.def("_fsdp_reduce_scatter_copy_in", &fsdp_ext::fsdp::reduce_scatter_copy_in,
         py::arg("gradients"), py::arg("world_size"), py::arg("output"),
+        py::arg("shard_dims") = std::vector<int64_t>(),
         "Write gradients in the reduce-scatter input layout (torch._chunk_cat's).");
 
   m.def("_shutdown_all", &FsdpExtBackend::shutdown_all,

@@ -37,7 +37,8 @@ void bind_fsdp_runtime(py::module_& m) {
   py::class_<FsdpParam, std::shared_ptr<FsdpParam>>(m, "FsdpParam")
       .def(py::init([](std::string fqn, const py::list& slots, py::object sharded_param,
                        at::Tensor padded_sharded_data, std::vector<int64_t> orig_size,
-                       std::vector<int64_t> sharded_size, int64_t shard_world_size) {
+                       std::vector<int64_t> sharded_size, int64_t shard_world_size,
+                       int64_t shard_dim) {
              std::vector<fsdp::ModuleSlot> module_slots;
              for (const py::handle& slot : slots) {
                auto entry = slot.cast<py::tuple>();
@@ -48,11 +49,11 @@ void bind_fsdp_runtime(py::module_& m) {
              return std::make_shared<FsdpParam>(
                  std::move(fqn), std::move(module_slots), std::move(sharded_param),
                  std::move(padded_sharded_data), std::move(orig_size), std::move(sharded_size),
-                 shard_world_size);
+                 shard_world_size, shard_dim);
            }),
            py::arg("fqn"), py::arg("slots"), py::arg("sharded_param"),
            py::arg("padded_sharded_data"), py::arg("orig_size"), py::arg("sharded_size"),
-           py::arg("shard_world_size"),
+           py::arg("shard_world_size"), py::arg("shard_dim") = 0,
            "slots: (module, attribute name, write module._parameters directly) per holder.")
       .def_property("fqn", &FsdpParam::fqn, &FsdpParam::set_fqn)
       .def_property_readonly("sharded_state",
@@ -61,6 +62,7 @@ void bind_fsdp_runtime(py::module_& m) {
       .def_property_readonly("unsharded_param", &FsdpParam::unsharded_param)
       .def_property_readonly("orig_size", &FsdpParam::orig_size)
       .def_property_readonly("sharded_size", &FsdpParam::sharded_size)
+      .def_property_readonly("shard_dim", &FsdpParam::shard_dim)
       .def_property_readonly("padded_sharded_data", &FsdpParam::padded_sharded_data)
       .def_property_readonly("is_meta", &FsdpParam::is_meta)
       .def_property_readonly("orig_dtype", &FsdpParam::orig_dtype)

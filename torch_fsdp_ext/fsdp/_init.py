@@ -212,30 +212,61 @@ def module_slots(params, modules):
     return [wanted[id(p)] for p in params]
 
 
-def shard_param(param: nn.Parameter, info: MeshInfo, fqn: str, slots):
-    """Shards `param` on dim 0 of the shard mesh dim as upstream does: every
-    rank holds ceil(d0 / W) rows (zero padding at the tail); the DTensor's
-    local tensor is the real rows, a view of the padded buffer the all-gather
-    reads. Under HSDP the DTensor is (Replicate(), Shard(0)) on the 2-D mesh."""
+def shard_placement(shard_placement_fn, param: nn.Parameter) -> Shard:
+    """The Shard placement `shard_placement_fn` picks for `param` (Shard(0)
+    without one), checked with upstream's rules and errors."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+
+    result = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if isinstance(result, ShardPlacementResult):
+        raise NotImplementedError(
+            "torch_fsdp_ext.fully_shard: ShardPlacementResult (a mesh per parameter) is not "
+            "supported yet; return a Shard placement or None"
+        )
+    if result is None:
+        return Shard(0)
+    if not isinstance(result, Shard):
+        raise ValueError(f"Invalid shard_placement_fn result: {result}")
+    dim = result.dim + param.ndim if result.dim < 0 else result.dim
+    if dim >= param.ndim:
+        raise AssertionError(f"Shard dim {dim} is invalid for {param.ndim}D tensor: {param.shape}")
+    return Shard(dim)
+
+
+def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str, slots):
+    """Shards `param` across the shard mesh dim as upstream does. On dim 0
+    every rank holds ceil(d0 / W) rows (zero padding at the tail) and the
+    DTensor's local tensor is the real rows, a view of the padded buffer the
+    all-gather reads; on another dim (which must divide evenly) each rank
+    holds its chunk along that dim, made contiguous. Under HSDP the DTensor
+    is (Replicate(), Shard(d)) on the 2-D mesh."""
     world = info.shard_size
     rank = info.shard_rank
-    rows = -(-param.shape[0] // world)
-    start = min(rank * rows, param.shape[0])
-    length = max(0, min(rows, param.shape[0] - start))
+    dim = placement.dim
+    if dim > 0 and param.shape[dim] % world != 0:
+        raise NotImplementedError(
+            f"FSDP does not support uneven sharding on dim {dim}: {param.size()} "
+            f"(world size: {world})"
+        )
+    chunk = -(-param.shape[dim] // world)
+    start = min(rank * chunk, param.shape[dim])
+    length = max(0, min(chunk, param.shape[dim] - start))
+    padded_size = list(param.shape)
+    padded_size[dim] = chunk
     with torch.no_grad():
-        padded = torch.zeros((rows,) + tuple(param.shape[1:]), dtype=param.dtype, device=param.device)
+        padded = torch.zeros(padded_size, dtype=param.dtype, device=param.device)
         if length and param.device.type != "meta":
-            padded[:length].copy_(param[start:start + length])
+            padded.narrow(dim, 0, length).copy_(param.narrow(dim, start, length))
     spec = DTensorSpec(
-        info.mesh, info.placements(Shard(0)),
+        info.mesh, info.placements(placement),
         tensor_meta=TensorMeta(param.shape, param.stride(), param.dtype),
     )
-    local = padded[:length]
+    local = padded.narrow(dim, 0, length)
     sharded = nn.Parameter(
         DTensor(local, spec, requires_grad=False), requires_grad=param.requires_grad
     )
     return _C.FsdpParam(
-        fqn, slots, sharded, padded.view(-1), list(param.shape), list(local.shape), world
+        fqn, slots, sharded, padded.view(-1), list(param.shape), list(local.shape), world, dim
     )
 
 

@@ -45,10 +45,6 @@ def fully_shard(
         raise NotImplementedError(
             "torch_fsdp_ext.fully_shard: dp_mesh_dims (SPMD meshes) is not supported yet"
         )
-    if shard_placement_fn is not None:
-        raise NotImplementedError(
-            "torch_fsdp_ext.fully_shard: shard_placement_fn is not supported yet (Shard(0) only)"
-        )
     auto_reshard = reshard_after_forward is None
     reshard, post_forward_mesh = _init.post_forward_setting(
         True if auto_reshard else reshard_after_forward, info
@@ -65,7 +61,8 @@ def fully_shard(
     if params:
         slots = _init.module_slots(params, roots)
         fsdp_params = [
-            _init.shard_param(p, info, f"{type(s[0][0]).__name__}.{s[0][1]}", s)
+            _init.shard_param(p, info, _init.shard_placement(shard_placement_fn, p),
+                              f"{type(s[0][0]).__name__}.{s[0][1]}", s)
             for p, s in zip(params, slots)
         ]
         group = _C.FsdpParamGroup(fsdp_params, info.shard_group, info.replicate_group)

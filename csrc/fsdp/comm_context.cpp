@@ -1,7 +1,7 @@
 #include "fsdp/comm_context.hpp"
 
 #include "fsdp/fsdp_param_group.hpp"
-#include "fsdp/group_collectives.hpp"
+#include "fsdp/collective_group.hpp"
 
 namespace fsdp_ext::fsdp {
 
@@ -20,12 +20,10 @@ void FsdpCommContext::drop_reduces() {
   while (!reduces_.empty()) {
     PendingReduce reduce = std::move(reduces_.front());
     reduces_.pop_front();
-    if (reduce.work) {
-      try {
-        wait_releasing_gil(reduce.work);
-      } catch (const std::exception&) {
-        // The iteration already failed; its gradients are being discarded.
-      }
+    try {
+      wait_releasing_gil(reduce.work);
+    } catch (const std::exception&) {
+      // The iteration already failed; its gradients are being discarded.
     }
   }
 }

@@ -8,7 +8,6 @@
 
 #include "fsdp/copy_kernels.hpp"
 #include "fsdp/event_trace.hpp"
-#include "fsdp/group_collectives.hpp"
 
 namespace fsdp_ext::fsdp {
 namespace {
@@ -32,7 +31,7 @@ std::string dtype_set(const std::vector<at::ScalarType>& dtypes) {
 }  // namespace
 
 FsdpParamGroup::FsdpParamGroup(std::vector<std::shared_ptr<FsdpParam>> params,
-                               ProcessGroupPtr shard_group, ProcessGroupPtr replicate_group)
+                               CollectiveGroup shard_group, CollectiveGroup replicate_group)
     : params_(std::move(params)),
       shard_group_(std::move(shard_group)),
       replicate_group_(std::move(replicate_group)),
@@ -69,7 +68,7 @@ void FsdpParamGroup::init_mp_dtypes(std::optional<at::ScalarType> param_dtype,
   reduce_dtype_ = reduce_dtypes.empty() ? std::nullopt : reduce_dtypes.front();
 }
 
-void FsdpParamGroup::set_reshard_after_forward(bool reshard, ProcessGroupPtr post_forward_group,
+void FsdpParamGroup::set_reshard_after_forward(bool reshard, CollectiveGroup post_forward_group,
                                                std::vector<py::object> post_forward_specs) {
   TORCH_CHECK_VALUE(!post_forward_group || post_forward_specs.size() == params_.size(),
                     "fsdp_ext FsdpParamGroup(", module_fqn_, "): ", post_forward_specs.size(),
@@ -78,7 +77,7 @@ void FsdpParamGroup::set_reshard_after_forward(bool reshard, ProcessGroupPtr pos
   // first: the next unshard must not gather over a group that is gone.
   if (sharded_state_ == ShardedState::kShardedPostForward) to_sharded();
   reshard_after_forward_ = reshard;
-  post_forward_group_ = reshard ? std::move(post_forward_group) : ProcessGroupPtr();
+  post_forward_group_ = reshard ? std::move(post_forward_group) : CollectiveGroup();
   post_forward_specs_ = post_forward_group_ ? std::move(post_forward_specs)
                                             : std::vector<py::object>();
 }
@@ -87,10 +86,10 @@ void FsdpParamGroup::unshard() {
   if (pending_all_gather_ || sharded_state_ == ShardedState::kUnsharded) return;
   EventTrace::emit(TraceEvent::kUnshard, module_fqn_, training_state_);
   if (!options_.unshard_in_backward && training_state_ == TrainingState::kPreBackward) return;
-  const ProcessGroupPtr& group = sharded_state_ == ShardedState::kShardedPostForward
+  const CollectiveGroup& group = sharded_state_ == ShardedState::kShardedPostForward
                                      ? post_forward_group_
                                      : shard_group_;
-  PendingAllGather pending{at::Tensor(), {}, group->getSize(), {},
+  PendingAllGather pending{at::Tensor(), {}, group.size(), {},
                            sharded_state_ == ShardedState::kSharded};
   if (pending.world_size > 1) {
     std::vector<at::Tensor> inputs;
@@ -110,11 +109,12 @@ void FsdpParamGroup::unshard() {
       input_bytes += inputs.back().numel() * static_cast<int64_t>(c10::elementSize(dtypes.back()));
     }
     const int64_t input_numel = input_bytes / static_cast<int64_t>(c10::elementSize(buffer_dtype));
-    pending.output = comm_buffer(*group, input_numel * pending.world_size,
-                                 inputs.front().options().dtype(buffer_dtype));
+    pending.output = group.buffer(input_numel * pending.world_size,
+                                  inputs.front().options().dtype(buffer_dtype),
+                                  options_.allocate_from_group);
     at::Tensor input =
-        all_gather_copy_in(inputs, dtypes, pending.output, group->getRank(), pending.world_size);
-    pending.work = all_gather_flat(*group, pending.output, input);
+        all_gather_copy_in(inputs, dtypes, pending.output, group.rank(), pending.world_size);
+    pending.work = group.all_gather(pending.output, input);
   }
   pending_all_gather_ = std::move(pending);
 }
@@ -246,8 +246,8 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
     }
   }
   const at::ScalarType reduce_dtype = reduce_dtype_.value_or(grad_dtype);
-  const int64_t world = shard_group_->getSize();
-  const int64_t replicas = replicate_group_ ? replicate_group_->getSize() : 0;
+  const int64_t world = shard_group_.size();
+  const int64_t replicas = replicate_group_ ? replicate_group_.size() : 0;
   PendingReduce reduce;
   reduce.group = shared_from_this();
   reduce.factors = reduce_factors(reduce_dtype, world, replicas, options_.gradient_divide_factor);
@@ -261,14 +261,14 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
   std::vector<int64_t> shard_dims;
   for (const auto& param : params) shard_dims.push_back(param->shard_dim());
   const at::TensorOptions options = grads.front().options().dtype(reduce_dtype);
-  reduce.input = comm_buffer(*shard_group_, row_numel * world, options);
+  reduce.input = shard_group_.buffer(row_numel * world, options, options_.allocate_from_group);
   reduce_scatter_copy_in(grads, world, reduce.input, shard_dims);
   grads.clear();  // the unsharded gradients are no longer needed
   if (factors.pre_divide) reduce.input.div_(*factors.pre_divide);
   if (world > 1) {
     if (factors.pre_multiply) reduce.input.mul_(*factors.pre_multiply);
-    reduce.output = comm_buffer(*shard_group_, row_numel, options);
-    reduce.work = reduce_scatter_flat(*shard_group_, reduce.output, reduce.input);
+    reduce.output = shard_group_.buffer(row_numel, options, options_.allocate_from_group);
+    reduce.work = shard_group_.reduce_scatter(reduce.output, reduce.input);
   } else {
     // The shard is the whole gradient: nothing to reduce-scatter.
     reduce.output = std::move(reduce.input);
@@ -284,7 +284,7 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
 
 void FsdpParamGroup::complete_reduce(PendingReduce reduce) {
   const ReduceFactors& factors = reduce.factors;
-  if (reduce.work) wait_releasing_gil(reduce.work);
+  wait_releasing_gil(reduce.work);
   reduce.input = at::Tensor();
   at::Tensor output = std::move(reduce.output);
   if (factors.reduce_scatter_divide) output.div_(*factors.reduce_scatter_divide);
@@ -302,7 +302,7 @@ void FsdpParamGroup::complete_reduce(PendingReduce reduce) {
       output.add_(partial_reduce_output_);
       partial_reduce_output_ = at::Tensor();
     }
-    wait_releasing_gil(all_reduce_flat(*replicate_group_, output));
+    wait_releasing_gil(replicate_group_.all_reduce(output));
     if (factors.all_reduce_divide) output.div_(*factors.all_reduce_divide);
   }
   if (factors.post_divide) output.div_(*factors.post_divide);
@@ -316,22 +316,11 @@ void FsdpParamGroup::complete_reduce(PendingReduce reduce) {
   }
 }
 
-at::Tensor FsdpParamGroup::comm_buffer(c10d::ProcessGroup& group, int64_t numel,
-                                       const at::TensorOptions& options) const {
-  if (options_.allocate_from_group) {
-    c10::intrusive_ptr<c10d::Backend> backend = group.getBackend(options.device().type());
-    if (backend->supportsTensorAlloc(options.device().index())) {
-      return backend->allocateTensor(numel, options);
-    }
-  }
-  return at::empty({numel}, options);
-}
-
 void FsdpParamGroup::drop_pending_all_gather() {
   if (!pending_all_gather_) return;
   PendingAllGather pending = std::move(*pending_all_gather_);
   pending_all_gather_.reset();
-  if (pending.work) wait_releasing_gil(pending.work);
+  wait_releasing_gil(pending.work);
 }
 
 void FsdpParamGroup::finalize_backward() {
@@ -362,8 +351,8 @@ void FsdpParamGroup::to_sharded() {
 
 void FsdpParamGroup::to_sharded_post_forward() {
   if (sharded_state_ == ShardedState::kShardedPostForward) return;
-  const int64_t rank = post_forward_group_->getRank();
-  const int64_t world = post_forward_group_->getSize();
+  const int64_t rank = post_forward_group_.rank();
+  const int64_t world = post_forward_group_.size();
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i]->to_sharded_post_forward(rank, world, post_forward_specs_[i]);
   }

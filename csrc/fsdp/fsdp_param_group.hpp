@@ -25,20 +25,18 @@
 
 #include <ATen/ATen.h>
 #include <pybind11/pybind11.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "fsdp/collective_group.hpp"
 #include "fsdp/comm_context.hpp"
 #include "fsdp/fsdp_param.hpp"
 #include "fsdp/training_state.hpp"
 
 namespace fsdp_ext::fsdp {
-
-using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 
 // Knobs set through FSDPModule's setters (upstream's names and defaults).
 struct GroupOptions {
@@ -58,9 +56,9 @@ struct GroupOptions {
 
 class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpParamGroup> {
  public:
-  // replicate_group: HSDP's (null for FSDP).
-  FsdpParamGroup(std::vector<std::shared_ptr<FsdpParam>> params, ProcessGroupPtr shard_group,
-                 ProcessGroupPtr replicate_group = {});
+  // replicate_group: HSDP's (empty for FSDP).
+  FsdpParamGroup(std::vector<std::shared_ptr<FsdpParam>> params, CollectiveGroup shard_group,
+                 CollectiveGroup replicate_group = {});
 
   // Applies a MixedPrecisionPolicy's dtypes to every parameter and checks
   // that trainable parameters agree on their dtype and reduce dtype
@@ -71,10 +69,12 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   // reshard_after_forward: false keeps parameters unsharded after forward;
   // true reshards them, to `post_forward_group` (a smaller group of
   // consecutive ranks, with one DTensorSpec per parameter) when given.
-  void set_reshard_after_forward(bool reshard, ProcessGroupPtr post_forward_group = {},
+  void set_reshard_after_forward(bool reshard, CollectiveGroup post_forward_group = {},
                                  std::vector<py::object> post_forward_specs = {});
   bool reshard_after_forward() const { return reshard_after_forward_; }
-  bool uses_post_forward_mesh() const { return reshard_after_forward_ && post_forward_group_; }
+  bool uses_post_forward_mesh() const {
+    return reshard_after_forward_ && static_cast<bool>(post_forward_group_);
+  }
 
   void set_comm_context(std::shared_ptr<FsdpCommContext> context) { comm_ = std::move(context); }
   const std::shared_ptr<FsdpCommContext>& comm_context() const { return comm_; }
@@ -115,8 +115,8 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   void set_module_fqn(std::string fqn) { module_fqn_ = std::move(fqn); }
   const std::vector<std::shared_ptr<FsdpParam>>& params() const { return params_; }
   GroupOptions& options() { return options_; }
-  const ProcessGroupPtr& shard_group() const { return shard_group_; }
-  const ProcessGroupPtr& replicate_group() const { return replicate_group_; }
+  const CollectiveGroup& shard_group() const { return shard_group_; }
+  const CollectiveGroup& replicate_group() const { return replicate_group_; }
 
  private:
   struct PendingAllGather {
@@ -137,13 +137,11 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   void drop_pending_all_gather();
   void reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> params,
                         std::vector<at::Tensor> grads);
-  at::Tensor comm_buffer(c10d::ProcessGroup& group, int64_t numel,
-                         const at::TensorOptions& options) const;
 
   std::vector<std::shared_ptr<FsdpParam>> params_;
-  ProcessGroupPtr shard_group_;
-  ProcessGroupPtr replicate_group_;
-  ProcessGroupPtr post_forward_group_;
+  CollectiveGroup shard_group_;
+  CollectiveGroup replicate_group_;
+  CollectiveGroup post_forward_group_;
   std::vector<py::object> post_forward_specs_;
   bool reshard_after_forward_ = true;
   std::shared_ptr<FsdpCommContext> comm_;

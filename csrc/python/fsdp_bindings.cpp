@@ -17,6 +17,7 @@ namespace fsdp_ext::python {
 using fsdp::FsdpCommContext;
 using fsdp::FsdpParam;
 using fsdp::FsdpParamGroup;
+using fsdp::CollectiveGroup;
 using fsdp::ProcessGroupPtr;
 using fsdp::TrainingState;
 
@@ -27,8 +28,15 @@ TrainingState training_state_from(int value) {
   return static_cast<TrainingState>(value);
 }
 
-ProcessGroupPtr optional_group(const py::object& group) {
-  return group.is_none() ? ProcessGroupPtr() : group.cast<ProcessGroupPtr>();
+// A Python process group object (or None) as the runtime's CollectiveGroup.
+// Only a ProcessGroup subclass written in Python (e.g. torch's threaded test
+// group) needs its collectives issued through torch.distributed.
+CollectiveGroup collective_group(const py::object& group) {
+  if (group.is_none()) return {};
+  auto process_group = group.cast<ProcessGroupPtr>();
+  static const py::object native = py::module_::import("torch.distributed").attr("ProcessGroup");
+  const bool python_impl = !py::type::of(group).is(native);
+  return CollectiveGroup(std::move(process_group), python_impl ? group : py::object());
 }
 
 }  // namespace
@@ -84,10 +92,12 @@ void bind_fsdp_runtime(py::module_& m) {
       .def("clear_post_forward_order", [](FsdpCommContext& c) { c.post_forward_order.clear(); });
 
   py::class_<FsdpParamGroup, std::shared_ptr<FsdpParamGroup>>(m, "FsdpParamGroup")
-      .def(py::init([](std::vector<std::shared_ptr<FsdpParam>> params, ProcessGroupPtr shard_group,
-                       const py::object& replicate_group) {
-             return std::make_shared<FsdpParamGroup>(std::move(params), std::move(shard_group),
-                                                     optional_group(replicate_group));
+      .def(py::init([](std::vector<std::shared_ptr<FsdpParam>> params,
+                       const py::object& shard_group, const py::object& replicate_group) {
+             TORCH_CHECK_VALUE(!shard_group.is_none(), "fsdp_ext FsdpParamGroup: no shard group");
+             return std::make_shared<FsdpParamGroup>(std::move(params),
+                                                     collective_group(shard_group),
+                                                     collective_group(replicate_group));
            }),
            py::arg("params"), py::arg("shard_group"), py::arg("replicate_group") = py::none(),
            "replicate_group: HSDP's group across replicas (None for FSDP).")
@@ -98,7 +108,7 @@ void bind_fsdp_runtime(py::module_& m) {
           "set_reshard_after_forward",
           [](FsdpParamGroup& g, bool reshard, const py::object& post_forward_group,
              std::vector<py::object> specs) {
-            g.set_reshard_after_forward(reshard, optional_group(post_forward_group),
+            g.set_reshard_after_forward(reshard, collective_group(post_forward_group),
                                         std::move(specs));
           },
           py::arg("reshard"), py::arg("post_forward_group") = py::none(),
@@ -128,8 +138,13 @@ void bind_fsdp_runtime(py::module_& m) {
                              [](const FsdpParamGroup& g) { return static_cast<int>(g.sharded_state()); })
       .def_property("module_fqn", &FsdpParamGroup::module_fqn, &FsdpParamGroup::set_module_fqn)
       .def_property_readonly("params", &FsdpParamGroup::params)
-      .def_property_readonly("shard_group", &FsdpParamGroup::shard_group)
-      .def_property_readonly("replicate_group", &FsdpParamGroup::replicate_group)
+      .def_property_readonly("shard_group",
+                             [](const FsdpParamGroup& g) { return g.shard_group().process_group(); })
+      .def_property_readonly("replicate_group",
+                             [](const FsdpParamGroup& g) {
+                               const CollectiveGroup& group = g.replicate_group();
+                               return group ? py::cast(group.process_group()) : py::none();
+                             })
       .def_property(
           "all_reduce_grads", [](FsdpParamGroup& g) { return g.options().all_reduce_grads; },
           [](FsdpParamGroup& g, bool v) { g.options().all_reduce_grads = v; })

@@ -1,0 +1,113 @@
+#include "fsdp/collective_group.hpp"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/utils/pybind.h>  // at::Tensor <-> Python
+
+#include <vector>
+
+namespace fsdp_ext::fsdp {
+
+namespace py = pybind11;
+
+namespace {
+
+// Issues `issue()` with the GIL released when the caller holds it, as
+// torch's Python collectives do: gloo's worker thread can hold its queue lock
+// while it destroys a finished Work whose saved thread-local state owns a
+// Python object (so it needs the GIL), and enqueueing takes that lock.
+template <typename Issue>
+WorkPtr without_gil(Issue&& issue) {
+  if (PyGILState_Check()) {
+    py::gil_scoped_release no_gil;
+    return issue();
+  }
+  return issue();
+}
+
+// torch.distributed.<name>(..., group=group, async_op=True) for Python groups.
+WorkPtr call_python(const char* name, const py::object& group, py::args args,
+                    py::kwargs kwargs) {
+  static py::object* distributed = new py::object(py::module_::import("torch.distributed"));
+  kwargs["group"] = group;
+  kwargs["async_op"] = true;
+  py::object work = distributed->attr(name)(*args, **kwargs);
+  return work.is_none() ? WorkPtr() : work.cast<WorkPtr>();
+}
+
+py::object sum_op() {
+  static py::object* op =
+      new py::object(py::module_::import("torch.distributed").attr("ReduceOp").attr("SUM"));
+  return *op;
+}
+
+}  // namespace
+
+CollectiveGroup::CollectiveGroup(ProcessGroupPtr group, py::object python_group)
+    : group_(std::move(group)), python_group_(std::move(python_group)) {
+  TORCH_CHECK_VALUE(group_, "fsdp_ext CollectiveGroup: no process group");
+}
+
+// _allgather_base / _reduce_scatter_base are deprecated aliases in newer
+// torch but the only names every torch 2.x has; they dispatch the same op.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
+WorkPtr CollectiveGroup::all_gather(at::Tensor& output, at::Tensor& input) const {
+  if (python_group_) {
+    py::gil_scoped_acquire gil;
+    return call_python("all_gather_into_tensor", python_group_, py::make_tuple(output, input),
+                       py::kwargs());
+  }
+  return without_gil([&] { return group_->_allgather_base(output, input); });
+}
+
+WorkPtr CollectiveGroup::reduce_scatter(at::Tensor& output, at::Tensor& input) const {
+  if (python_group_) {
+    py::gil_scoped_acquire gil;
+    py::kwargs kwargs;
+    kwargs["op"] = sum_op();
+    return call_python("reduce_scatter_tensor", python_group_, py::make_tuple(output, input),
+                       kwargs);
+  }
+  c10d::ReduceScatterOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  return without_gil([&] { return group_->_reduce_scatter_base(output, input, options); });
+}
+
+#pragma GCC diagnostic pop
+
+WorkPtr CollectiveGroup::all_reduce(at::Tensor& tensor) const {
+  if (python_group_) {
+    py::gil_scoped_acquire gil;
+    py::kwargs kwargs;
+    kwargs["op"] = sum_op();
+    return call_python("all_reduce", python_group_, py::make_tuple(tensor), kwargs);
+  }
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  std::vector<at::Tensor> tensors{tensor};
+  return without_gil([&] { return group_->allreduce(tensors, options); });
+}
+
+at::Tensor CollectiveGroup::buffer(int64_t numel, const at::TensorOptions& options,
+                                   bool from_group) const {
+  if (from_group && !python_group_) {
+    c10::intrusive_ptr<c10d::Backend> backend = group_->getBackend(options.device().type());
+    if (backend->supportsTensorAlloc(options.device().index())) {
+      return backend->allocateTensor(numel, options);
+    }
+  }
+  return at::empty({numel}, options);
+}
+
+void wait_releasing_gil(const WorkPtr& work) {
+  if (!work) return;
+  if (PyGILState_Check()) {
+    py::gil_scoped_release no_gil;
+    work->wait();
+  } else {
+    work->wait();
+  }
+}
+
+}  // namespace fsdp_ext::fsdp

@@ -367,8 +367,10 @@ def check_not_implemented(ctx):
         with pytest.raises(NotImplementedError, match=what):
             torch_fsdp_ext.fully_shard(nn.Linear(4, 4), **kwargs)
     model = torch_fsdp_ext.fully_shard(nn.Linear(4, 4))
-    with pytest.raises(NotImplementedError, match="set_custom_all_gather"):
-        model.set_custom_all_gather(None)
+    with pytest.raises(NotImplementedError, match="set_symm_mem_for_comm: symmetric memory"):
+        model.set_symm_mem_for_comm()
+    with pytest.raises(NotImplementedError, match="set_separate_reduce_scatter_group"):
+        model.set_separate_reduce_scatter_group()
     return True
 
 

@@ -40,10 +40,15 @@ py::object sum_op() {
   return *op;
 }
 
+// A custom comm's return value: None (it completed) or a Work.
+WorkPtr custom_work(const py::object& result) {
+  return result.is_none() ? WorkPtr() : result.cast<WorkPtr>();
+}
+
 }  // namespace
 
-CollectiveGroup::CollectiveGroup(ProcessGroupPtr group, py::object python_group)
-    : group_(std::move(group)), python_group_(std::move(python_group)) {
+CollectiveGroup::CollectiveGroup(ProcessGroupPtr group, py::object group_object, bool python_impl)
+    : group_(std::move(group)), group_object_(std::move(group_object)), python_impl_(python_impl) {
   TORCH_CHECK_VALUE(group_, "fsdp_ext CollectiveGroup: no process group");
 }
 
@@ -53,20 +58,34 @@ CollectiveGroup::CollectiveGroup(ProcessGroupPtr group, py::object python_group)
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 
 WorkPtr CollectiveGroup::all_gather(at::Tensor& output, at::Tensor& input) const {
-  if (python_group_) {
+  if (is_set(custom_all_gather_)) {
     py::gil_scoped_acquire gil;
-    return call_python("all_gather_into_tensor", python_group_, py::make_tuple(output, input),
+    return custom_work(custom_all_gather_(py::arg("output_tensor") = output,
+                                          py::arg("input_tensor") = input,
+                                          py::arg("group") = group_object_,
+                                          py::arg("async_op") = false));
+  }
+  if (python_impl_) {
+    py::gil_scoped_acquire gil;
+    return call_python("all_gather_into_tensor", group_object_, py::make_tuple(output, input),
                        py::kwargs());
   }
   return without_gil([&] { return group_->_allgather_base(output, input); });
 }
 
 WorkPtr CollectiveGroup::reduce_scatter(at::Tensor& output, at::Tensor& input) const {
-  if (python_group_) {
+  if (is_set(custom_reduce_scatter_)) {
+    py::gil_scoped_acquire gil;
+    return custom_work(custom_reduce_scatter_(py::arg("output_tensor") = output,
+                                              py::arg("input_tensor") = input,
+                                              py::arg("group") = group_object_,
+                                              py::arg("op") = sum_op()));
+  }
+  if (python_impl_) {
     py::gil_scoped_acquire gil;
     py::kwargs kwargs;
     kwargs["op"] = sum_op();
-    return call_python("reduce_scatter_tensor", python_group_, py::make_tuple(output, input),
+    return call_python("reduce_scatter_tensor", group_object_, py::make_tuple(output, input),
                        kwargs);
   }
   c10d::ReduceScatterOptions options;
@@ -77,11 +96,11 @@ WorkPtr CollectiveGroup::reduce_scatter(at::Tensor& output, at::Tensor& input) c
 #pragma GCC diagnostic pop
 
 WorkPtr CollectiveGroup::all_reduce(at::Tensor& tensor) const {
-  if (python_group_) {
+  if (python_impl_) {
     py::gil_scoped_acquire gil;
     py::kwargs kwargs;
     kwargs["op"] = sum_op();
-    return call_python("all_reduce", python_group_, py::make_tuple(tensor), kwargs);
+    return call_python("all_reduce", group_object_, py::make_tuple(tensor), kwargs);
   }
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
@@ -90,8 +109,22 @@ WorkPtr CollectiveGroup::all_reduce(at::Tensor& tensor) const {
 }
 
 at::Tensor CollectiveGroup::buffer(int64_t numel, const at::TensorOptions& options,
-                                   bool from_group) const {
-  if (from_group && !python_group_) {
+                                   bool from_group, Purpose purpose) const {
+  const py::object& custom =
+      purpose == Purpose::kAllGather ? custom_all_gather_ : custom_reduce_scatter_;
+  if (is_set(custom)) {
+    py::gil_scoped_acquire gil;
+    at::Tensor out = custom.attr("allocate")(py::make_tuple(numel),
+                                             py::arg("dtype") = options.dtype().toScalarType(),
+                                             py::arg("device") = options.device())
+                         .cast<at::Tensor>();
+    TORCH_CHECK_VALUE(out.numel() == numel && out.scalar_type() == options.dtype().toScalarType(),
+                      "fsdp_ext fully_shard: custom comm ", py::str(py::type::of(custom)).cast<std::string>(),
+                      ".allocate returned ", out.sizes(), " ", out.scalar_type(), ", expected (",
+                      numel, ",) ", options.dtype().toScalarType());
+    return out.view(-1);
+  }
+  if (from_group && !python_impl_) {
     c10::intrusive_ptr<c10d::Backend> backend = group_->getBackend(options.device().type());
     if (backend->supportsTensorAlloc(options.device().index())) {
       return backend->allocateTensor(numel, options);

@@ -8,6 +8,14 @@
 // on the way. A ProcessGroup subclass implemented in Python (torch's threaded
 // test group) has no C++ backend to dispatch to; its collectives go through
 // torch.distributed's Python functions, as upstream's always do.
+//
+// FSDPModule.set_custom_all_gather / set_custom_reduce_scatter install
+// upstream's Comm objects (`allocate(size, dtype=, device=)` and
+// `__call__(output_tensor=, input_tensor=, group=, ...)`): the group's
+// buffers for that collective then come from the object's allocate, and the
+// collective is the object's call, made synchronously as upstream's are on
+// CPU. The reduce-scatter op handed to a custom reduce-scatter is always SUM:
+// the runtime divides gradients itself (gradient_divide.hpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -26,7 +34,9 @@ class FSDP_EXT_HIDDEN CollectiveGroup {
   CollectiveGroup() = default;
   // `python_group` is the group's Python object when its collectives must go
   // through torch.distributed (see the file comment); None otherwise.
-  CollectiveGroup(ProcessGroupPtr group, pybind11::object python_group);
+  // `group_object`: the group's Python object (handed to custom comms);
+  // `python_impl`: its collectives must go through torch.distributed.
+  CollectiveGroup(ProcessGroupPtr group, pybind11::object group_object, bool python_impl);
 
   explicit operator bool() const { return static_cast<bool>(group_); }
   int64_t size() const { return group_->getSize(); }
@@ -39,14 +49,31 @@ class FSDP_EXT_HIDDEN CollectiveGroup {
   WorkPtr reduce_scatter(at::Tensor& output, at::Tensor& input) const;
   WorkPtr all_reduce(at::Tensor& tensor) const;
 
-  // A 1-D buffer for a collective on this group: from the group's backend
+  enum class Purpose { kAllGather, kReduceScatter };
+  // A 1-D buffer for a collective of `purpose` on this group: from the
+  // custom comm's allocate when one is set; else from the group's backend
   // allocator when asked and it has one (fsdp_ext on one host: peers read it
-  // in place), else ordinary memory.
-  at::Tensor buffer(int64_t numel, const at::TensorOptions& options, bool from_group) const;
+  // in place); else ordinary memory.
+  at::Tensor buffer(int64_t numel, const at::TensorOptions& options, bool from_group,
+                    Purpose purpose) const;
+
+  // None restores the group's own collective.
+  void set_custom_all_gather(pybind11::object comm) { custom_all_gather_ = std::move(comm); }
+  void set_custom_reduce_scatter(pybind11::object comm) {
+    custom_reduce_scatter_ = std::move(comm);
+  }
+  bool has_custom_comm() const {
+    return is_set(custom_all_gather_) || is_set(custom_reduce_scatter_);
+  }
 
  private:
+  static bool is_set(const pybind11::object& o) { return o && !o.is_none(); }
+
   ProcessGroupPtr group_;
-  pybind11::object python_group_;  // None: the C++ path
+  pybind11::object group_object_;
+  bool python_impl_ = false;
+  pybind11::object custom_all_gather_;
+  pybind11::object custom_reduce_scatter_;
 };
 
 // Work::wait() with the GIL released when the caller holds it: a backend

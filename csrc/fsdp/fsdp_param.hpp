@@ -85,6 +85,9 @@ class FSDP_EXT_HIDDEN FsdpParam {
   bool has_unsharded_param() const { return unsharded_tensor_.defined(); }
   void release_unsharded_storage();
 
+  // Zeros shaped and typed as the unsharded parameter: the gradient of an
+  // unused parameter under set_reduce_scatter_unused_params.
+  at::Tensor zero_unsharded_grad() const { return at::zeros_like(unsharded_tensor_); }
   // The gradient to reduce (undefined if none): the reduce-dtype accumulator
   // if one exists, else the unsharded parameter's .grad (which becomes None).
   at::Tensor take_unsharded_grad();

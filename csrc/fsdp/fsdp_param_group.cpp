@@ -1,5 +1,7 @@
 #include "fsdp/fsdp_param_group.hpp"
 
+#include <torch/csrc/utils/pybind.h>  // at::Tensor -> Python (all-reduce hook)
+
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 
@@ -78,8 +80,19 @@ void FsdpParamGroup::set_reshard_after_forward(bool reshard, CollectiveGroup pos
   if (sharded_state_ == ShardedState::kShardedPostForward) to_sharded();
   reshard_after_forward_ = reshard;
   post_forward_group_ = reshard ? std::move(post_forward_group) : CollectiveGroup();
+  if (post_forward_group_) post_forward_group_.set_custom_all_gather(custom_all_gather_);
   post_forward_specs_ = post_forward_group_ ? std::move(post_forward_specs)
                                             : std::vector<py::object>();
+}
+
+void FsdpParamGroup::set_custom_all_gather(py::object comm) {
+  custom_all_gather_ = comm;
+  shard_group_.set_custom_all_gather(comm);
+  if (post_forward_group_) post_forward_group_.set_custom_all_gather(std::move(comm));
+}
+
+void FsdpParamGroup::set_custom_reduce_scatter(py::object comm) {
+  shard_group_.set_custom_reduce_scatter(std::move(comm));
 }
 
 void FsdpParamGroup::unshard() {
@@ -111,7 +124,8 @@ void FsdpParamGroup::unshard() {
     const int64_t input_numel = input_bytes / static_cast<int64_t>(c10::elementSize(buffer_dtype));
     pending.output = group.buffer(input_numel * pending.world_size,
                                   inputs.front().options().dtype(buffer_dtype),
-                                  options_.allocate_from_group);
+                                  options_.allocate_from_group,
+                                  CollectiveGroup::Purpose::kAllGather);
     at::Tensor input =
         all_gather_copy_in(inputs, dtypes, pending.output, group.rank(), pending.world_size);
     pending.work = group.all_gather(pending.output, input);
@@ -217,6 +231,12 @@ void FsdpParamGroup::post_backward() {
     // unsharded storage.
     for (const auto& param : params_) {
       at::Tensor grad = param->take_unsharded_grad();
+      if (!grad.defined() && options_.reduce_scatter_unused_params &&
+          param->has_unsharded_param() && param->requires_grad()) {
+        // Every rank must issue the same reduce-scatter even where this
+        // rank's forward did not use the parameter (conditional branches).
+        grad = param->zero_unsharded_grad();
+      }
       if (!grad.defined()) continue;
       with_grad.push_back(param);
       grads.push_back(std::move(grad));
@@ -228,9 +248,10 @@ void FsdpParamGroup::post_backward() {
   if (!options_.reduce_grads) {
     for (const auto& param : params_) param->to_accumulated_grad_if_needed();
   } else {
-    // The previous group's reduce-scatter overlapped this group's backward;
-    // finish it before issuing the next (one in flight, as upstream keeps).
-    comm_->finish_reduces(0);
+    // Earlier groups' reduce-scatters overlapped this group's backward;
+    // finish the oldest until fewer than the cap remain in flight (one by
+    // default, as upstream keeps), each holding its input buffer.
+    comm_->finish_reduces(static_cast<size_t>(options_.reduce_scatter_max_input_buffers - 1));
     if (!grads.empty()) reduce_gradients(std::move(with_grad), std::move(grads));
   }
   EventTrace::emit(TraceEvent::kPostBackward, module_fqn_, training_state_);
@@ -250,7 +271,8 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
   const int64_t replicas = replicate_group_ ? replicate_group_.size() : 0;
   PendingReduce reduce;
   reduce.group = shared_from_this();
-  reduce.factors = reduce_factors(reduce_dtype, world, replicas, options_.gradient_divide_factor);
+  reduce.factors = reduce_factors(reduce_dtype, world, replicas, options_.gradient_divide_factor,
+                                  options_.force_sum_reduction_for_comms);
   reduce.all_reduce = options_.all_reduce_grads;
   const ReduceFactors& factors = reduce.factors;
   int64_t row_numel = 0;
@@ -261,13 +283,15 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
   std::vector<int64_t> shard_dims;
   for (const auto& param : params) shard_dims.push_back(param->shard_dim());
   const at::TensorOptions options = grads.front().options().dtype(reduce_dtype);
-  reduce.input = shard_group_.buffer(row_numel * world, options, options_.allocate_from_group);
+  reduce.input = shard_group_.buffer(row_numel * world, options, options_.allocate_from_group,
+                                    CollectiveGroup::Purpose::kReduceScatter);
   reduce_scatter_copy_in(grads, world, reduce.input, shard_dims);
   grads.clear();  // the unsharded gradients are no longer needed
   if (factors.pre_divide) reduce.input.div_(*factors.pre_divide);
   if (world > 1) {
     if (factors.pre_multiply) reduce.input.mul_(*factors.pre_multiply);
-    reduce.output = shard_group_.buffer(row_numel, options, options_.allocate_from_group);
+    reduce.output = shard_group_.buffer(row_numel, options, options_.allocate_from_group,
+                                        CollectiveGroup::Purpose::kReduceScatter);
     reduce.work = shard_group_.reduce_scatter(reduce.output, reduce.input);
   } else {
     // The shard is the whole gradient: nothing to reduce-scatter.
@@ -304,6 +328,12 @@ void FsdpParamGroup::complete_reduce(PendingReduce reduce) {
     }
     wait_releasing_gil(replicate_group_.all_reduce(output));
     if (factors.all_reduce_divide) output.div_(*factors.all_reduce_divide);
+  }
+  if (all_reduce_hook_ && !all_reduce_hook_.is_none()) {
+    // set_all_reduce_hook: after the reduce-scatter (FSDP) or the all-reduce
+    // (HSDP), before the final divide, in place, as upstream runs it.
+    py::gil_scoped_acquire gil;
+    all_reduce_hook_(output);
   }
   if (factors.post_divide) output.div_(*factors.post_divide);
   if (orig_dtype_ && output.scalar_type() != *orig_dtype_) output = output.to(*orig_dtype_);

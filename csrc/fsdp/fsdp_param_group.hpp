@@ -52,6 +52,15 @@ struct GroupOptions {
   // read them in place), as upstream's
   // set_allocate_memory_from_process_group_for_comm.
   bool allocate_from_group = false;
+  // Reductions use SUM only, dividing before or after (changes where the
+  // division happens, hence the rounding: gradient_divide.hpp).
+  bool force_sum_reduction_for_comms = false;
+  // Reduce-scatters (and their input buffers) allowed in flight when the
+  // next group issues its own: more overlap for more memory.
+  int64_t reduce_scatter_max_input_buffers = 1;
+  // Parameters that got no gradient this backward are reduce-scattered as
+  // zeros, so ranks that took different branches issue the same collective.
+  bool reduce_scatter_unused_params = false;
 };
 
 class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpParamGroup> {
@@ -78,6 +87,13 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
 
   void set_comm_context(std::shared_ptr<FsdpCommContext> context) { comm_ = std::move(context); }
   const std::shared_ptr<FsdpCommContext>& comm_context() const { return comm_; }
+
+  // Upstream's custom Comm objects (collective_group.hpp); None: the default.
+  void set_custom_all_gather(py::object comm);
+  void set_custom_reduce_scatter(py::object comm);
+  bool has_custom_comm() const { return shard_group_.has_custom_comm(); }
+  // hook(reduce_output) (set_all_reduce_hook); None: no hook.
+  void set_all_reduce_hook(py::object hook) { all_reduce_hook_ = std::move(hook); }
 
   // The state machine (see the file comment).
   void unshard();
@@ -143,6 +159,8 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   CollectiveGroup replicate_group_;
   CollectiveGroup post_forward_group_;
   std::vector<py::object> post_forward_specs_;
+  py::object custom_all_gather_;  // kept for post-forward groups set later
+  py::object all_reduce_hook_;
   bool reshard_after_forward_ = true;
   std::shared_ptr<FsdpCommContext> comm_;
   GroupOptions options_;

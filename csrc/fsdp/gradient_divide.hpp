@@ -8,7 +8,9 @@
 // size, PREMUL_SUM(1/f) a multiply of the input by 1/f before the SUM.
 // Dtypes that may overflow (anything but fp32/bf16) split the factor into a
 // power-of-two divide before the reduce-scatter and the rest after the
-// all-reduce, exactly as upstream.
+// all-reduce, exactly as upstream. `force_sum` (set_force_sum_reduction_for_
+// comms) takes that path for every dtype: the whole factor after the last
+// collective for fp32/bf16, split for the others.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -30,6 +32,6 @@ struct ReduceFactors {
 // shard_world: the reduce-scatter group's size; replicas: the all-reduce
 // group's size, 0 without one (FSDP); factor: set_gradient_divide_factor.
 ReduceFactors reduce_factors(c10::ScalarType reduce_dtype, int64_t shard_world, int64_t replicas,
-                             std::optional<double> factor);
+                             std::optional<double> factor, bool force_sum = false);
 
 }  // namespace fsdp_ext::fsdp

@@ -36,7 +36,7 @@ CollectiveGroup collective_group(const py::object& group) {
   auto process_group = group.cast<ProcessGroupPtr>();
   static const py::object native = py::module_::import("torch.distributed").attr("ProcessGroup");
   const bool python_impl = !py::type::of(group).is(native);
-  return CollectiveGroup(std::move(process_group), python_impl ? group : py::object());
+  return CollectiveGroup(std::move(process_group), group, python_impl);
 }
 
 }  // namespace
@@ -163,7 +163,27 @@ void bind_fsdp_runtime(py::module_& m) {
       .def_property(
           "gradient_divide_factor",
           [](FsdpParamGroup& g) { return g.options().gradient_divide_factor; },
-          [](FsdpParamGroup& g, std::optional<double> v) { g.options().gradient_divide_factor = v; });
+          [](FsdpParamGroup& g, std::optional<double> v) { g.options().gradient_divide_factor = v; })
+      .def_property(
+          "force_sum_reduction_for_comms",
+          [](FsdpParamGroup& g) { return g.options().force_sum_reduction_for_comms; },
+          [](FsdpParamGroup& g, bool v) { g.options().force_sum_reduction_for_comms = v; })
+      .def_property(
+          "reduce_scatter_max_input_buffers",
+          [](FsdpParamGroup& g) { return g.options().reduce_scatter_max_input_buffers; },
+          [](FsdpParamGroup& g, int64_t v) {
+            TORCH_CHECK_VALUE(v >= 1, "max_input_buffers must be a positive int, got ", v);
+            g.options().reduce_scatter_max_input_buffers = v;
+          })
+      .def_property(
+          "reduce_scatter_unused_params",
+          [](FsdpParamGroup& g) { return g.options().reduce_scatter_unused_params; },
+          [](FsdpParamGroup& g, bool v) { g.options().reduce_scatter_unused_params = v; })
+      .def("set_custom_all_gather", &FsdpParamGroup::set_custom_all_gather, py::arg("comm"))
+      .def("set_custom_reduce_scatter", &FsdpParamGroup::set_custom_reduce_scatter,
+           py::arg("comm"))
+      .def_property_readonly("has_custom_comm", &FsdpParamGroup::has_custom_comm)
+      .def("set_all_reduce_hook", &FsdpParamGroup::set_all_reduce_hook, py::arg("hook"));
 
   m.def("_fsdp_set_trace_sink", &fsdp::EventTrace::set_sink, py::arg("record"),
         "Install record(event, module_fqn, training_state) for every group event; None removes.");

@@ -6,7 +6,13 @@ own, so code written for upstream passes them unchanged.
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from ._module import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from ._module import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from ._trace import FSDPEvent, ShardedState, TrainingState, trace_fsdp_events
 
 __all__ = [
@@ -20,5 +26,6 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
     "trace_fsdp_events",
 ]

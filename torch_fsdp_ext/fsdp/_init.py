@@ -4,6 +4,7 @@ and build the C++ parameter group. Nothing here runs per training step."""
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple, Optional
 
 import torch
@@ -210,6 +211,18 @@ def module_slots(params, modules):
                 if param is not None and id(param) in wanted:
                     wanted[id(param)].append((module, name, plain))
     return [wanted[id(p)] for p in params]
+
+
+_orig_param_uids = itertools.count()
+
+
+def orig_param_uid(param: nn.Parameter) -> int:
+    """A number that names the original (unsharded) parameter object, kept on
+    it: a tensor tied between two fully_shard calls is found by it at lazy
+    init (the sharded parameters of the two calls are distinct objects)."""
+    if not hasattr(param, "_fsdp_ext_orig_uid"):
+        param._fsdp_ext_orig_uid = next(_orig_param_uids)
+    return param._fsdp_ext_orig_uid
 
 
 def shard_placement(shard_placement_fn, param: nn.Parameter) -> Shard:

@@ -74,6 +74,7 @@ def fully_shard(
         else:
             group.set_reshard_after_forward(reshard)
         state._fsdp_param_group = group
+        state._orig_param_uids = [_init.orig_param_uid(p) for p in params]
         state._mesh = mesh
         _register_state_dict_hooks(state, slots)
     for m in managed:
@@ -214,14 +215,71 @@ class FSDPModule:
         _set_group_option(self, "gradient_divide_factor", factor, recurse=False)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        # Reductions here always SUM and divide locally (gloo has no AVG),
-        # so both settings give the same collectives and numbers.
-        return
+        """Reduce with SUM only and divide around it (upstream's numbers for
+        the same setting: the division moves, so the rounding may change)."""
+        _set_group_option(self, "force_sum_reduction_for_comms", enable, recurse=False)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        """Reduce-scatter zeros for parameters that got no gradient, so that
+        ranks taking different branches issue the same collectives."""
+        _set_group_option(self, "reduce_scatter_unused_params", reduce_scatter_unused_params,
+                          recurse)
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
+                                             recurse: bool = True) -> None:
+        """How many gradient reduce-scatters (each holding its input buffer)
+        may be in flight when the next group issues its own: 1 (the default)
+        waits for the previous one first; more overlaps more, for memory."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        _set_group_option(self, "reduce_scatter_max_input_buffers", max_input_buffers, recurse)
+
+    def set_custom_all_gather(self, comm) -> None:
+        """Upstream's ``AllGather`` Comm object gathers this group's
+        parameters (its ``allocate`` makes the output buffer)."""
+        group = self._group()
+        if group is not None:
+            group.set_custom_all_gather(comm)
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """Upstream's ``ReduceScatter`` Comm object reduces this group's
+        gradients. It is called with ``op=ReduceOp.SUM``: the division by the
+        world size happens around it (as with gloo, which has no AVG)."""
+        group = self._group()
+        if group is not None:
+            group.set_custom_reduce_scatter(comm)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
+        """``hook(reduce_output)`` runs on each reduction's output, in place:
+        after the reduce-scatter (FSDP) or the replicas' all-reduce (HSDP),
+        before the final divide and the cast to the parameters' dtype."""
+        state = self._get_fsdp_state()
+        group = state._fsdp_param_group
+        if stream is not None:
+            if group is not None and group.replicate_group is not None:
+                raise ValueError("stream cannot be set when using native HSDP")
+            raise NotImplementedError(
+                "torch_fsdp_ext FSDPModule.set_all_reduce_hook: stream= is for CUDA meshes; "
+                "on a CPU mesh the hook runs in line with the reduction (pass no stream)"
+            )
+        if group is not None:
+            group.set_all_reduce_hook(hook)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """All-gather outputs and reduce-scatter buffers come from the process
         group's allocator where its backend has one (fsdp_ext on one host:
         peers read them in place, no staging copy); else ordinary memory."""
+        group = self._group()
+        if group is not None and group.has_custom_comm:
+            raise AssertionError(
+                "cannot call set_allocate_memory_from_process_group() when a custom all-gather "
+                "or reduce-scatter comm is set"
+            )
         _set_group_option(self, "allocate_from_group", enable, recurse=False)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
@@ -247,21 +305,37 @@ class FSDPModule:
                 group.reset_sharded_params()
         return out
 
-    def _not_supported(name):  # noqa: N805 - builds the methods below
-        def method(self, *args, **kwargs):
-            raise NotImplementedError(f"torch_fsdp_ext FSDPModule.{name} is not supported yet")
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *,
+                                          recurse: bool = True) -> None:
+        raise NotImplementedError(
+            "torch_fsdp_ext FSDPModule.set_separate_reduce_scatter_group is not supported yet: "
+            "the runtime's collectives already run concurrently on the backend's progress "
+            "thread; a second process group is not created"
+        )
 
-        method.__name__ = name
-        return method
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        raise NotImplementedError(
+            "torch_fsdp_ext FSDPModule.set_symm_mem_for_comm: symmetric memory is NCCL's "
+            "(CUDA meshes); on a CPU mesh use set_allocate_memory_from_process_group_for_comm, "
+            "which lets fsdp_ext peers read the buffers in place"
+        )
 
-    set_custom_all_gather = _not_supported("set_custom_all_gather")
-    set_custom_reduce_scatter = _not_supported("set_custom_reduce_scatter")
-    set_all_reduce_hook = _not_supported("set_all_reduce_hook")
-    set_reduce_scatter_unused_params = _not_supported("set_reduce_scatter_unused_params")
-    set_reduce_scatter_max_input_buffers = _not_supported("set_reduce_scatter_max_input_buffers")
-    set_separate_reduce_scatter_group = _not_supported("set_separate_reduce_scatter_group")
-    set_symm_mem_for_comm = _not_supported("set_symm_mem_for_comm")
-    del _not_supported
+
+def share_comm_ctx(modules: list) -> None:
+    """Makes several FSDP roots (pipeline-parallel stages) share one comm
+    context: backward-prefetch order and the reductions in flight. Call it
+    before their first forward, as upstream's."""
+    if not modules:
+        return
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")
+    states = [module._get_fsdp_state() for module in modules]
+    shared = states[0]._comm_ctx
+    for state in states[1:]:
+        state._comm_ctx = shared
+        if state._fsdp_param_group is not None:
+            state._fsdp_param_group.comm_context = shared
 
 
 def _check_fsdp_modules(modules) -> None:
@@ -307,4 +381,4 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
-           "TrainingState"]
+           "share_comm_ctx", "TrainingState"]

@@ -74,6 +74,7 @@ class FSDPState(_State):
         self._group_initialized = False
         self._modules: tuple[nn.Module, ...] = ()
         self._hook_handles: list = []
+        self._orig_param_uids: list[int] = []
 
     @property
     def _fsdp_param_groups(self) -> list:
@@ -151,6 +152,7 @@ class FSDPState(_State):
             # The root's parameters are needed first in backward: keep them.
             self._fsdp_param_group.set_reshard_after_forward(False)
         self._init_fqns(root)
+        self._validate_no_duplicate_params()
         for state in ctx.all_states:
             state._state_ctx = ctx
             state._comm_ctx = self._comm_ctx
@@ -171,6 +173,23 @@ class FSDPState(_State):
             )
             for param in group.params:
                 param.fqn = param_to_fqn.get(id(param.sharded_param), param.fqn)
+
+    def _validate_no_duplicate_params(self) -> None:
+        """A parameter tied between two fully_shard calls would be sharded,
+        gathered and reduced twice, its gradient split between two copies."""
+        seen: set[int] = set()
+        for state in self._state_ctx.all_states:
+            group = state._fsdp_param_group
+            if group is None:
+                continue
+            for param, uid in zip(group.params, state._orig_param_uids):
+                if uid in seen:
+                    raise ValueError(
+                        f"Parameter '{param.fqn}' is shared with a parameter already managed "
+                        "by another FSDP group. For shared/tied parameters, use "
+                        "fully_shard([module_a, module_b]) to place them in the same FSDP group."
+                    )
+                seen.add(uid)
 
     def _lazy_init_group(self) -> None:
         group = self._fsdp_param_group

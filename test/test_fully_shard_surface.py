@@ -1,0 +1,508 @@
+"""The rest of the FSDPModule surface, ours next to upstream's fully_shard in
+the same processes on the same backend: all-reduce hooks, custom comms,
+SUM-only reductions, unused parameters, reduce-scatter buffer caps,
+share_comm_ctx, tied and frozen parameters, grouped modules called on their
+own (chunked loss), GradScaler with fp16, and distributed checkpoints saved
+at one world size and loaded at another.
+
+Where the two implementations run the same arithmetic, losses and final
+parameters must be equal bit for bit and the communication counts the same.
+"""
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import get_pool
+from fsdp_testing import IMPLS, TinyLM, fsdp_api, lm_batch, lm_loss
+from test_fully_shard_configs import make_mesh
+
+STEPS = 4
+RS = "c10d._reduce_scatter_base_"
+AG = "c10d._allgather_base_"
+
+
+# --------------------------------------------------------------------------
+# Models
+
+
+class TwoBranch(nn.Module):
+    """Even ranks run branch `a`, odd ranks branch `b`: without
+    reduce_scatter_unused_params the ranks would issue different collectives."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x, rank):
+        h = F.relu(self.inp(x))
+        h = self.a(h) if rank % 2 == 0 else self.b(h)
+        return self.out(F.relu(h))
+
+
+class TiedLM(nn.Module):
+    """An embedding whose weight is also the output projection's."""
+
+    def __init__(self, vocab=32, dim=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.body = nn.Sequential(nn.Linear(dim, dim), nn.Tanh(), nn.Linear(dim, dim))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.norm(self.body(self.embed(tokens)))
+
+
+class PartlyFrozen(nn.Sequential):
+    """Blocks whose biases (and one whole block) do not train."""
+
+    def __init__(self, dim=12):
+        super().__init__(*[nn.Linear(dim, dim) for _ in range(4)])
+        for i, layer in enumerate(self):
+            layer.bias.requires_grad_(False)
+            if i == 1:
+                layer.weight.requires_grad_(False)
+
+
+def _x(rank, step, shape=(4, 8)):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+# --------------------------------------------------------------------------
+# Side-by-side training with a per-case set-up
+
+
+class CollectiveCounter:
+    """Counts c10d collectives like CommDebugMode ("c10d._allgather_base_"
+    ...) without its module tracker, which expects every module call to
+    happen inside one root forward (a head called per chunk is not)."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts = self.counts = Counter()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace == "c10d":
+                    counts[f"c10d.{func._opname}"] += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+class HookRecorder:
+    """An all-reduce hook that scales in place (so a missing call changes
+    the numbers) and counts its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, output):
+        self.calls += 1
+        output.mul_(0.5)
+
+
+class CountingAllGather:
+    """Upstream's AllGather Comm protocol, delegating to torch.distributed."""
+
+    def __init__(self):
+        self.calls = self.allocs = 0
+
+    def allocate(self, size, *, dtype, device):
+        self.allocs += 1
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls += 1
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                           async_op=async_op)
+
+
+class CountingReduceScatter(CountingAllGather):
+    """Upstream's ReduceScatter Comm protocol. Records the ops it was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls += 1
+        self.ops.add(str(op))
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                          async_op=async_op)
+
+
+def _build(case, api, mesh):
+    """(model, loss_fn(model, rank, step), state to report) for `case`."""
+    extra = {}
+    if case == "unused_params":
+        model = TwoBranch()
+        api.fully_shard(model.inp, mesh=mesh)
+        api.fully_shard(model.out, mesh=mesh)
+        api.fully_shard(model, mesh=mesh)  # both branches in one group
+        model.set_reduce_scatter_unused_params(True)
+        return model, lambda m, r, s: m(_x(r, s), r).pow(2).mean(), extra
+    if case == "chunked_head":
+        model = TiedLM()
+        model.head.weight = nn.Parameter(model.head.weight.detach().clone())
+        for layer in (model.body[0], model.body[2]):
+            api.fully_shard(layer, mesh=mesh)
+        api.fully_shard([model.norm, model.head], mesh=mesh)
+        api.fully_shard(model, mesh=mesh)
+
+        def chunked(m, r, s):
+            tokens, targets = lm_batch(r, s, batch=4)
+            hidden = m(tokens)
+            # The head is skipped by forward and applied per chunk.
+            return sum(lm_loss(m.head(h).flatten(0, 1), t)
+                       for h, t in zip(hidden.chunk(2), targets.chunk(2)))
+
+        return model, chunked, extra
+    if case == "tied_grouped":
+        model = TiedLM()
+        for layer in (model.body[0], model.body[2]):
+            api.fully_shard(layer, mesh=mesh)
+        api.fully_shard(model, mesh=mesh)  # embed and head (tied) in the root group
+
+        def tied(m, r, s):
+            tokens, targets = lm_batch(r, s)
+            return lm_loss(m.head(m(tokens)).flatten(0, 1), targets)
+
+        return model, tied, extra
+    if case == "frozen":
+        model = PartlyFrozen()
+        for layer in model:
+            api.fully_shard(layer, mesh=mesh)
+        api.fully_shard(model, mesh=mesh)
+        return model, lambda m, r, s: m(_x(r, s, (4, 12))).pow(2).mean(), extra
+
+    model = TinyLM()
+    for block in model.layers:
+        api.fully_shard(block, mesh=mesh)
+    api.fully_shard(model, mesh=mesh)
+    fsdp_modules = list(model.layers) + [model]
+    if case == "all_reduce_hook":
+        extra["hooks"] = [HookRecorder() for _ in fsdp_modules]
+        for module, hook in zip(fsdp_modules, extra["hooks"]):
+            module.set_all_reduce_hook(hook)
+    elif case == "force_sum":
+        for module in fsdp_modules:
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(3.0)
+    elif case == "max_input_buffers":
+        model.set_reduce_scatter_max_input_buffers(3)
+    elif case == "custom_comms":
+        extra["ag"], extra["rs"] = CountingAllGather(), CountingReduceScatter()
+        for module in fsdp_modules:
+            module.set_custom_all_gather(extra["ag"])
+            module.set_custom_reduce_scatter(extra["rs"])
+            # SUM only, so that the custom comm gets an op gloo supports.
+            module.set_force_sum_reduction_for_comms(True)
+    else:
+        raise ValueError(case)
+
+    def lm(m, r, s):
+        tokens, targets = lm_batch(r, s)
+        return lm_loss(m(tokens), targets)
+
+    return model, lm, extra
+
+
+def train_case(ctx, backend, mesh_shape, case):
+    mesh = make_mesh(ctx, backend, mesh_shape)
+    results = {}
+    for impl in IMPLS:
+        torch.manual_seed(0)
+        model, loss_fn, extra = _build(case, fsdp_api(impl), mesh)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, counts = [], []
+        for step in range(STEPS):
+            with CollectiveCounter() as counter:
+                loss = loss_fn(model, ctx.rank, step)
+                loss.backward()
+            counts.append(dict(counter.counts))
+            losses.append(loss.item())
+            optim.step()
+            optim.zero_grad()
+        report = {}
+        if "hooks" in extra:
+            report["hook_calls"] = [h.calls for h in extra["hooks"]]
+        if "ag" in extra:
+            report["custom"] = (extra["ag"].calls, extra["ag"].allocs, extra["rs"].calls,
+                                extra["rs"].allocs, sorted(extra["rs"].ops))
+        results[impl] = dict(
+            losses=losses, counts=counts, report=report,
+            full=[p.detach().full_tensor() for p in model.parameters()],
+            requires_grad=[p.requires_grad for p in model.parameters()],
+        )
+    return results
+
+
+def _run_case(ws, backend, mesh_shape, case):
+    per_rank = get_pool(ws).run(train_case, backend, mesh_shape, case)
+    for rank, results in enumerate(per_rank):
+        ours, upstream = results["ours"], results["upstream"]
+        what = f"rank {rank} {backend} {mesh_shape} {case}"
+        assert ours["losses"] == upstream["losses"], (
+            f"{what}: losses\n ours     {ours['losses']}\n upstream {upstream['losses']}")
+        assert ours["counts"] == upstream["counts"], (
+            f"{what}: counts\n ours     {ours['counts']}\n upstream {upstream['counts']}")
+        assert ours["report"] == upstream["report"], what
+        assert ours["requires_grad"] == upstream["requires_grad"], what
+        for i, (a, b) in enumerate(zip(ours["full"], upstream["full"])):
+            assert torch.equal(a, b), f"{what}: parameter {i} differs"
+    return per_rank
+
+
+@pytest.mark.parametrize("backend", ["fsdp_ext", "gloo"])
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["fsdp", "hsdp"])
+def test_all_reduce_hook_matches_upstream(backend, mesh_shape):
+    per_rank = _run_case(4 if len(mesh_shape) == 2 else 2, backend, mesh_shape,
+                         "all_reduce_hook")
+    # One call per group per step, after the reduce-scatter or all-reduce.
+    assert per_rank[0]["ours"]["report"]["hook_calls"] == [STEPS] * 4
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["fsdp", "hsdp"])
+def test_force_sum_reduction_matches_upstream(mesh_shape):
+    _run_case(4 if len(mesh_shape) == 2 else 2, "fsdp_ext", mesh_shape, "force_sum")
+
+
+def test_custom_comms_match_upstream():
+    per_rank = _run_case(2, "gloo", (2,), "custom_comms")
+    ag_calls, ag_allocs, rs_calls, rs_allocs, ops = per_rank[0]["ours"]["report"]["custom"]
+    # Every collective went through the custom objects, which allocated
+    # every buffer they were used with.
+    counts = per_rank[0]["ours"]["counts"]
+    assert ag_calls == sum(c.get(AG, 0) for c in counts) > 0
+    assert rs_calls == sum(c.get(RS, 0) for c in counts) > 0
+    assert ag_allocs == ag_calls and rs_allocs == 2 * rs_calls
+    assert ops == ["ReduceOp.SUM"] or ops == ["RedOpType.SUM"], ops
+
+
+def test_reduce_scatter_max_input_buffers_matches_upstream():
+    _run_case(2, "fsdp_ext", (2,), "max_input_buffers")
+
+
+def test_unused_params_on_some_ranks_match_upstream():
+    per_rank = _run_case(2, "fsdp_ext", (2,), "unused_params")
+    # One reduce-scatter per group, the root's carrying both branches (one
+    # of them zeros) on every rank.
+    assert per_rank[0]["ours"]["counts"][0][RS] == 3
+
+
+@pytest.mark.parametrize("backend", ["fsdp_ext", "gloo"])
+def test_grouped_head_called_per_chunk_matches_upstream(backend):
+    """fully_shard([norm, head]) where forward skips the head and the loss
+    applies it per chunk: the head's gradients are reduced like upstream's."""
+    _run_case(2, backend, (2,), "chunked_head")
+
+
+def test_tied_weights_in_one_group_match_upstream():
+    _run_case(2, "fsdp_ext", (2,), "tied_grouped")
+
+
+def test_frozen_and_trainable_params_match_upstream():
+    _run_case(2, "fsdp_ext", (2,), "frozen")
+
+
+# --------------------------------------------------------------------------
+# Errors and setters
+
+
+def test_setter_errors_match_upstream(pool2):
+    results = pool2.run(_setter_errors)
+    assert results[0]["ours"] == results[0]["upstream"], results[0]
+    assert "shared with a parameter already managed by another FSDP group" in (
+        results[0]["ours"]["tied_separately"])
+
+
+def _setter_errors(ctx):
+    mesh = make_mesh(ctx, "fsdp_ext", (ctx.world_size,))
+    out = {}
+    for impl in IMPLS:
+        api = fsdp_api(impl)
+        errors = {}
+        model = TiedLM()
+        api.fully_shard(model.head, mesh=mesh)
+        api.fully_shard(model, mesh=mesh)
+        try:
+            model(torch.zeros(2, 3, dtype=torch.long))
+            errors["tied_separately"] = "no error"
+        except ValueError as error:
+            errors["tied_separately"] = str(error)
+        model = nn.Sequential(nn.Linear(4, 4))
+        api.fully_shard(model, mesh=mesh)
+        for bad in (0, True, 1.5):
+            try:
+                model.set_reduce_scatter_max_input_buffers(bad)
+                errors[repr(bad)] = "no error"
+            except (TypeError, ValueError) as error:
+                errors[repr(bad)] = f"{type(error).__name__}: {error}"
+        out[impl] = errors
+    return out
+
+
+def test_share_comm_ctx_between_roots_matches_upstream(pool2):
+    results = pool2.run(_share_comm_ctx)
+    for rank_result in results:
+        assert rank_result["ours"] == rank_result["upstream"], rank_result
+
+
+def _share_comm_ctx(ctx):
+    """Two pipeline-stage roots sharing one comm context train as upstream's."""
+    from torch.distributed.fsdp import share_comm_ctx as upstream_share
+
+    import torch_fsdp_ext
+
+    mesh = make_mesh(ctx, "fsdp_ext", (ctx.world_size,))
+    out = {}
+    for impl, share in (("ours", torch_fsdp_ext.share_comm_ctx), ("upstream", upstream_share)):
+        api = fsdp_api(impl)
+        torch.manual_seed(0)
+        stages = [nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(2)]
+        for stage in stages:
+            api.fully_shard(stage[0], mesh=mesh)
+            api.fully_shard(stage, mesh=mesh)
+        share(stages)
+        same = stages[0]._get_fsdp_state()._comm_ctx is stages[1]._get_fsdp_state()._comm_ctx
+        params = [p for s in stages for p in s.parameters()]
+        optim = torch.optim.SGD(params, lr=0.1)
+        losses = []
+        for step in range(STEPS):
+            loss = stages[1](stages[0](_x(ctx.rank, step))).pow(2).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+        out[impl] = (same, losses)
+    return out
+
+
+# --------------------------------------------------------------------------
+# GradScaler with fp16 parameters
+
+
+def test_grad_scaler_fp16_matches_upstream(pool2):
+    results = pool2.run(_grad_scaler)
+    for rank_result in results:
+        assert rank_result["ours"] == rank_result["upstream"], rank_result
+        record = rank_result["ours"][0]
+        # The overflow step's loss is nan and the scaler halved its scale.
+        assert record[1] == ("nan", record[0][1] / 2), record
+
+
+def _grad_scaler(ctx):
+    """fp16 all-gathers with fp32 reduction, scaled loss, a step skipped for
+    an inf gradient (the scaler halves its scale), then normal steps."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = make_mesh(ctx, "fsdp_ext", (ctx.world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    out = {}
+    for impl in IMPLS:
+        api = fsdp_api(impl)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        api.fully_shard(model[0], mesh=mesh, mp_policy=mp)
+        api.fully_shard(model, mesh=mesh, mp_policy=mp)
+        optim = torch.optim.SGD(model.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        record = []
+        for step in range(STEPS):
+            x = _x(ctx.rank, step)
+            if step == 1:
+                x = x * float("inf")  # an overflow: this step must be skipped
+            loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(optim)
+            scaler.update()
+            optim.zero_grad()
+            record.append((repr(loss.item()), scaler.get_scale()))  # repr: nan == nan
+        out[impl] = (record, [p.detach().full_tensor().tolist() for p in model.parameters()])
+    return out
+
+
+# --------------------------------------------------------------------------
+# Distributed checkpoint: saved at one world size, loaded at another
+
+
+def test_checkpoint_saved_at_4_loads_at_2(tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = get_pool(4).run(_save_checkpoint, path)
+    loaded = get_pool(2).run(_load_checkpoint, path)
+    for rank_result in loaded:
+        for impl in IMPLS:
+            full, loss = rank_result[impl]
+            assert [torch.equal(a, b) for a, b in zip(full, saved[0]["full"])] == [True] * len(full)
+            # Training resumes where it stopped: the same loss either way.
+            assert loss == rank_result["upstream"][1]
+
+
+def _lm_sharded(api, mesh):
+    torch.manual_seed(0)
+    model = TinyLM()
+    for block in model.layers:
+        api.fully_shard(block, mesh=mesh)
+    api.fully_shard(model, mesh=mesh)
+    return model
+
+
+def _save_checkpoint(ctx, path):
+    """Ours trains two steps at world size 4 and saves model and optimizer
+    state with torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    mesh = make_mesh(ctx, "fsdp_ext", (ctx.world_size,))
+    model = _lm_sharded(fsdp_api("ours"), mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(2):
+        tokens, targets = lm_batch(ctx.rank, step)
+        lm_loss(model(tokens), targets).backward()
+        optim.step()
+        optim.zero_grad()
+    model_sd, optim_sd = get_state_dict(model, optim)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    return {"full": [p.detach().full_tensor() for p in model.parameters()]}
+
+
+def _load_checkpoint(ctx, path):
+    """Both implementations load the world-size-4 checkpoint at world size 2
+    and take one more step on the same batch."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    mesh = make_mesh(ctx, "fsdp_ext", (ctx.world_size,))
+    out = {}
+    for impl in IMPLS:
+        model = _lm_sharded(fsdp_api(impl), mesh)
+        optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+        model_sd, optim_sd = get_state_dict(model, optim)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optim, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        full = [p.detach().full_tensor() for p in model.parameters()]
+        tokens, targets = lm_batch(ctx.rank, 2)
+        loss = lm_loss(model(tokens), targets)
+        loss.backward()
+        optim.step()
+        out[impl] = (full, loss.item())
+    return out

@@ -357,10 +357,8 @@ def test_nested_traces():
 
 def check_not_implemented(ctx):
     import torch_fsdp_ext
-    from torch.distributed.fsdp import CPUOffloadPolicy
 
     cases = [
-        (dict(offload_policy=CPUOffloadPolicy()), "CPUOffloadPolicy"),
         (dict(dp_mesh_dims=object()), "dp_mesh_dims"),
     ]
     for kwargs, what in cases:

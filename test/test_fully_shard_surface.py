@@ -185,6 +185,20 @@ def _build(case, api, mesh):
             return lm_loss(m.head(m(tokens)).flatten(0, 1), targets)
 
         return model, tied, extra
+    if case == "cpu_offload":
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        model = TinyLM()
+        offload = CPUOffloadPolicy(pin_memory=False)
+        for block in model.layers:
+            api.fully_shard(block, mesh=mesh, offload_policy=offload)
+        api.fully_shard(model, mesh=mesh, offload_policy=offload)
+
+        def lm_cpu(m, r, s):
+            tokens, targets = lm_batch(r, s)
+            return lm_loss(m(tokens), targets)
+
+        return model, lm_cpu, extra
     if case == "frozen":
         model = PartlyFrozen()
         for layer in model:
@@ -316,6 +330,35 @@ def test_grouped_head_called_per_chunk_matches_upstream(backend):
 
 def test_tied_weights_in_one_group_match_upstream():
     _run_case(2, "fsdp_ext", (2,), "tied_grouped")
+
+
+def test_cpu_offload_on_cpu_mesh_matches_upstream():
+    """CPUOffloadPolicy(pin_memory=False) on a CPU mesh: parameters,
+    gradients and optimizer state stay on the host, as upstream's."""
+    _run_case(2, "fsdp_ext", (2,), "cpu_offload")
+
+
+def test_cpu_offload_pinning_behaves_as_upstream(pool2):
+    """pin_memory=True pins the sharded parameters, which needs an
+    accelerator: where there is none both implementations raise the same
+    error at fully_shard; where there is one both succeed."""
+    results = pool2.run(_pinned_offload)
+    assert results[0]["ours"] == results[0]["upstream"], results[0]
+
+
+def _pinned_offload(ctx):
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    mesh = make_mesh(ctx, "fsdp_ext", (ctx.world_size,))
+    out = {}
+    for impl in IMPLS:
+        try:
+            model = fsdp_api(impl).fully_shard(nn.Linear(4, 4), mesh=mesh,
+                                               offload_policy=CPUOffloadPolicy())
+            out[impl] = ("pinned", model.weight.to_local().is_pinned())
+        except RuntimeError as error:
+            out[impl] = ("error", str(error))
+    return out
 
 
 def test_frozen_and_trainable_params_match_upstream():

@@ -81,11 +81,30 @@ def validate_module(module) -> None:
             )
 
 
-def validate_policies(mp_policy, offload_policy) -> None:
+def pin_offloaded(offload_policy) -> bool:
+    """Whether sharded parameters are kept in pinned host memory.
+
+    CPUOffloadPolicy keeps sharded parameters, their gradients and so the
+    optimizer step on the host. On a CPU mesh they are there already, so the
+    only effect left is pinning (``pin_memory=True``, the default), which, as
+    upstream's, needs an accelerator: without one ``Tensor.pin_memory`` raises
+    at fully_shard."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    if isinstance(offload_policy, CPUOffloadPolicy):
-        raise NotImplementedError("torch_fsdp_ext.fully_shard: CPUOffloadPolicy is not supported yet")
+    return isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
+
+
+def validate_offloaded_on_cpu(group) -> None:
+    """Upstream's check at lazy init: offloaded parameters must have been
+    materialised on the host (to_empty(device="cpu"), a CPU state dict)."""
+    off_cpu = [(p.fqn, p.sharded_param.device) for p in group.params
+               if p.sharded_param.device.type != "cpu"]
+    if off_cpu:
+        raise RuntimeError(
+            "FSDP parameters should be materialized on CPU when enabling CPU offloading. "
+            'For example, load a CPU state dict or call module.to_empty(device="cpu"). '
+            f"Found following parameters on non-CPU device: {off_cpu}\n"
+        )
 
 
 def post_forward_setting(reshard_after_forward, info: MeshInfo):
@@ -246,7 +265,8 @@ def shard_placement(shard_placement_fn, param: nn.Parameter) -> Shard:
     return Shard(dim)
 
 
-def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str, slots):
+def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str, slots,
+                pin_memory: bool = False):
     """Shards `param` across the shard mesh dim as upstream does. On dim 0
     every rank holds ceil(d0 / W) rows (zero padding at the tail) and the
     DTensor's local tensor is the real rows, a view of the padded buffer the
@@ -270,6 +290,8 @@ def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str,
         padded = torch.zeros(padded_size, dtype=param.dtype, device=param.device)
         if length and param.device.type != "meta":
             padded.narrow(dim, 0, length).copy_(param.narrow(dim, start, length))
+        if pin_memory and param.device.type != "meta":
+            padded = padded.pin_memory()
     spec = DTensorSpec(
         info.mesh, info.placements(placement),
         tensor_meta=TensorMeta(param.shape, param.stride(), param.dtype),

@@ -40,7 +40,6 @@ def fully_shard(
     _init.validate_module(module)
     mesh = mesh or _init.default_mesh()
     info = _init.mesh_info(mesh)
-    _init.validate_policies(mp_policy, offload_policy)
     if dp_mesh_dims is not None:
         raise NotImplementedError(
             "torch_fsdp_ext.fully_shard: dp_mesh_dims (SPMD meshes) is not supported yet"
@@ -57,12 +56,13 @@ def fully_shard(
     _init.validate_params(params)
 
     state = fully_shard.state(roots[0])
-    state.init(roots, device, mp_policy, auto_reshard)
+    state.init(roots, device, mp_policy, offload_policy, auto_reshard)
     if params:
         slots = _init.module_slots(params, roots)
         fsdp_params = [
             _init.shard_param(p, info, _init.shard_placement(shard_placement_fn, p),
-                              f"{type(s[0][0]).__name__}.{s[0][1]}", s)
+                              f"{type(s[0][0]).__name__}.{s[0][1]}", s,
+                              pin_memory=_init.pin_offloaded(offload_policy))
             for p, s in zip(params, slots)
         ]
         group = _C.FsdpParamGroup(fsdp_params, info.shard_group, info.replicate_group)

@@ -12,9 +12,11 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed._composable_state import _get_module_state, _insert_module_state, _State
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from .. import _C
+from . import _init
 from ._trace import ShardedState, TrainingState
 
 _FORWARD = TrainingState.FORWARD.value
@@ -84,12 +86,13 @@ class FSDPState(_State):
     # Set-up ------------------------------------------------------------------
 
     def init(self, modules: tuple[nn.Module, ...], device: torch.device, mp_policy,
-             auto_reshard_after_forward: bool) -> None:
+             offload_policy, auto_reshard_after_forward: bool) -> None:
         for module in modules:
             _insert_module_state(module, self)
         self._modules = modules
         self._device = device
         self._mp_policy = mp_policy
+        self._offload_policy = offload_policy
         # The casts the hooks apply (None: none), decided once.
         self._input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
         self._output_dtype = mp_policy.output_dtype
@@ -207,6 +210,8 @@ class FSDPState(_State):
                 "For example, call module.to_empty(device) to materialize to device and "
                 "call module.reset_parameters() on each module to initialize values."
             )
+        if isinstance(self._offload_policy, CPUOffloadPolicy):
+            _init.validate_offloaded_on_cpu(group)
         self._group_initialized = True
 
     # Forward -----------------------------------------------------------------

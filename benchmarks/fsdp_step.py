@@ -2,6 +2,8 @@
 over fsdp_ext, in the same processes.
 
     python benchmarks/fsdp_step.py [--world-size 2] [--steps 40] [--models small-blocks,transformer]
+                                   [--configs fp32,bf16] [--no-memory]
+    python benchmarks/fsdp_step.py --world-size 4 --configs hsdp
 
 Contenders (each trains its own copy of the same model, same seeds and data;
 one step each in turn, so host noise hits all alike; --order blocked runs all
@@ -17,6 +19,13 @@ Models:
   small-blocks   many small blocks (48 x two 64x64 Linears, batch 8), each its
                  own FSDP group: runtime overhead dominates the step
   transformer    examples/tiny_transformer.py, dim 512, 4 layers (12.9M params)
+
+Configurations (--configs):
+  fp32   full precision, 1-D mesh (FSDP)
+  bf16   MixedPrecisionPolicy(param_dtype=bfloat16): all-gathers and
+         reduce-scatters in bf16 (half the bytes), fp32 sharded parameters
+  hsdp   fp32 on a 2-D mesh (2 replicas x world/2 shards): reduce-scatter
+         within a replica, all-reduce across (world size 4 or more, even)
 
 Reported per contender: the median step time (forward, backward, SGD step;
 each step the slowest rank, steps after the first third); "FSDP ms per group"
@@ -45,13 +54,29 @@ CONTENDERS = ["upstream/gloo", "ours/gloo", "upstream/fsdp_ext", "ours/fsdp_ext"
               "upstream/fsdp_ext+alloc", "ours/fsdp_ext+alloc"]
 
 
-def build(model_name, contender, gloo):
+CONFIGS = ("fp32", "bf16", "hsdp")
+
+
+def _mesh(contender_backend, config, gloo):
+    """The contender's mesh: its backend's world (1-D) or a 2x(world/2) HSDP mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if config != "hsdp":
+        group = gloo if contender_backend == "gloo" else dist.group.WORLD
+        return DeviceMesh.from_group(group, "cpu")
+    world = dist.get_world_size()
+    override = {0: "gloo", 1: "gloo"} if contender_backend == "gloo" else None
+    return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"),
+                            backend_override=override)
+
+
+def build(model_name, contender, gloo, config="fp32"):
     """(model, number of FSDP groups, step function(step, rank) -> loss)."""
     import torch
-    import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 
     import torch_fsdp_ext
@@ -69,7 +94,7 @@ def build(model_name, contender, gloo):
             return torch.randn(8, 64, generator=g), None
 
         def loss_fn(out, _):
-            return out.pow(2).mean()
+            return out.float().pow(2).mean()
     else:
         model = TinyTransformer(dim=512, heads=8, layers=4)
         blocks = list(model.blocks)
@@ -78,16 +103,16 @@ def build(model_name, contender, gloo):
             return batch_for(rank, step, batch=1, seq=16)
 
         def loss_fn(out, targets):
-            return F.cross_entropy(out.flatten(0, 1), targets.flatten())
+            return F.cross_entropy(out.float().flatten(0, 1), targets.flatten())
 
     groups = 0
     if contender != "local":
         impl, backend = contender.split("/")
         fully_shard = torch_fsdp_ext.fully_shard if impl == "ours" else upstream_fully_shard
-        group = gloo if backend == "gloo" else dist.group.WORLD
-        mesh = DeviceMesh.from_group(group, "cpu")
+        mesh = _mesh(backend.split("+")[0], config, gloo)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if config == "bf16" else None)
         for block in blocks + [model]:
-            fully_shard(block, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=mp)
             if backend.endswith("+alloc"):
                 block.set_allocate_memory_from_process_group_for_comm(True)
         groups = len(blocks) + 1
@@ -118,9 +143,9 @@ def _timing_worker(rank, world, init_file, queue, args):
     import torch.distributed as dist
 
     results = {}
-    for model_name in args.models:
+    for model_name, config in [(m, c) for c in args.configs for m in args.models]:
         names = ["local"] + CONTENDERS
-        built = {name: build(model_name, name, gloo) for name in names}
+        built = {name: build(model_name, name, gloo, config) for name in names}
         times = {name: [] for name in names}
         losses = {name: [] for name in names}
         if args.order == "alternate":  # one step of each contender in turn
@@ -137,8 +162,8 @@ def _timing_worker(rank, world, init_file, queue, args):
             t = torch.tensor(times[name], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
             times[name] = t.tolist()
-        results[model_name] = {
-            "times": times, "losses": losses,
+        results[f"{model_name} {config}"] = {
+            "model": model_name, "config": config, "times": times, "losses": losses,
             "groups": {name: built[name][1] for name in names},
             "params": sum(p.numel() for p in built["local"][0].parameters()),
         }
@@ -156,12 +181,12 @@ def _rss_kib(field):
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _memory_worker(rank, world, init_file, queue, model_name, contender):
+def _memory_worker(rank, world, init_file, queue, model_name, contender, config):
     gloo = init_rank(rank, world, init_file)
     _quiet_upstream_view_warning()
     import torch.distributed as dist
 
-    _, _, step = build(model_name, contender, gloo)
+    _, _, step = build(model_name, contender, gloo, config)
     dist.barrier(group=gloo)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM (peak RSS) to the current RSS
@@ -179,10 +204,10 @@ def markdown_tables(run):
     args = run["args"]
     steady = args["steps"] // 3
     out = []
-    for model_name, result in run["results"].items():
+    for key, result in run["results"].items():
         med = result["median_seconds"]
         memory = result["peak_step_memory_mib"]
-        out.append(f"{model_name}: {result['params'] / 1e6:.2f}M parameters, "
+        out.append(f"{key}: {result['params'] / 1e6:.2f}M parameters, "
                    f"{result['groups']['ours/gloo']} FSDP groups, {args['world_size']} ranks, "
                    f"median of steps {steady}..{args['steps'] - 1}\n")
         out.append("| contender | step ms | ours vs upstream (same backend) | FSDP ms per group "
@@ -213,6 +238,8 @@ def main():
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--models", default="small-blocks,transformer")
+    parser.add_argument("--configs", default="fp32",
+                        help=f"comma-separated, of {', '.join(CONFIGS)}")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     parser.add_argument("--order", choices=["alternate", "blocked"], default="alternate",
                         help="alternate: one step per contender in turn (default; noise hits all "
@@ -221,16 +248,24 @@ def main():
                                                            "fsdp_step.json"))
     args = parser.parse_args()
     args.models = args.models.split(",")
+    args.configs = args.configs.split(",")
+    unknown = sorted(set(args.configs) - set(CONFIGS))
+    if unknown:
+        parser.error(f"unknown --configs {unknown}; choose from {', '.join(CONFIGS)}")
+    if "hsdp" in args.configs and (args.world_size < 4 or args.world_size % 2):
+        parser.error(f"--configs hsdp needs an even --world-size of at least 4, "
+                     f"not {args.world_size}")
     results = run_ranks(args.world_size, _timing_worker, args)
     steady = args.steps // 3
-    for model_name, result in results.items():
+    for result in results.values():
         result["median_seconds"] = {
             n: statistics.median(t[steady:]) for n, t in result["times"].items()
         }
         memory = {}
         if not args.no_memory:
             for name in ["local"] + CONTENDERS:
-                memory[name] = run_ranks(args.world_size, _memory_worker, model_name, name)
+                memory[name] = run_ranks(args.world_size, _memory_worker, result["model"], name,
+                                         result["config"])
         result["peak_step_memory_mib"] = memory
     print(markdown_tables({"args": vars(args), "results": results}))
     os.makedirs(os.path.dirname(args.output), exist_ok=True)

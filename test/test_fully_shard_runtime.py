@@ -58,7 +58,7 @@ def check_unsharded_storage_released(ctx):
     # After forward the block is resharded: its modules hold DTensors and the
     # unsharded parameters (kept for autograd) have no storage bytes.
     assert isinstance(mlp.in_proj.weight, DTensor)
-    assert group.sharded_state == torch_fsdp_ext.ShardedState.SHARDED.value
+    assert group.sharded_state == torch_fsdp_ext.ShardedState.SHARDED
     unsharded = [p.unsharded_param for p in group.params]
     assert all(storage_bytes(t) == 0 for t in unsharded), [storage_bytes(t) for t in unsharded]
     # The root keeps its parameters after forward (reshard_after_forward=None).

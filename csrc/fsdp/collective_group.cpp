@@ -34,6 +34,12 @@ WorkPtr call_python(const char* name, const py::object& group, py::args args,
   return work.is_none() ? WorkPtr() : work.cast<WorkPtr>();
 }
 
+// torch.distributed's name for a collective: `preferred` where this torch has
+// it (newer releases deprecate the older names), else `fallback`.
+const char* distributed_name(const char* preferred, const char* fallback) {
+  return py::hasattr(py::module_::import("torch.distributed"), preferred) ? preferred : fallback;
+}
+
 py::object sum_op() {
   static py::object* op =
       new py::object(py::module_::import("torch.distributed").attr("ReduceOp").attr("SUM"));
@@ -67,8 +73,8 @@ WorkPtr CollectiveGroup::all_gather(at::Tensor& output, at::Tensor& input) const
   }
   if (python_impl_) {
     py::gil_scoped_acquire gil;
-    return call_python("all_gather_into_tensor", group_object_, py::make_tuple(output, input),
-                       py::kwargs());
+    static const char* name = distributed_name("all_gather_single", "all_gather_into_tensor");
+    return call_python(name, group_object_, py::make_tuple(output, input), py::kwargs());
   }
   return without_gil([&] { return group_->_allgather_base(output, input); });
 }
@@ -85,8 +91,8 @@ WorkPtr CollectiveGroup::reduce_scatter(at::Tensor& output, at::Tensor& input) c
     py::gil_scoped_acquire gil;
     py::kwargs kwargs;
     kwargs["op"] = sum_op();
-    return call_python("reduce_scatter_tensor", group_object_, py::make_tuple(output, input),
-                       kwargs);
+    static const char* name = distributed_name("reduce_scatter_single", "reduce_scatter_tensor");
+    return call_python(name, group_object_, py::make_tuple(output, input), kwargs);
   }
   c10d::ReduceScatterOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;

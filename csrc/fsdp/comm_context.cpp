@@ -16,6 +16,13 @@ void FsdpCommContext::finish_reduces(size_t keep) {
   }
 }
 
+void FsdpCommContext::finish_backward(bool is_last_backward) {
+  finish_reduces(0);
+  // The forward order is kept across microbatches (each backward prefetches
+  // through it) and dropped once the step's last backward is done.
+  if (is_last_backward) post_forward_order.clear();
+}
+
 void FsdpCommContext::drop_reduces() {
   while (!reduces_.empty()) {
     PendingReduce reduce = std::move(reduces_.front());

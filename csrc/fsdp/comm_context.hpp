@@ -46,6 +46,10 @@ class FSDP_EXT_HIDDEN FsdpCommContext {
   // (FsdpParamGroup::complete_reduce: wait, divide, all-reduce across
   // replicas, accumulate into the sharded gradients).
   void finish_reduces(size_t keep = 0);
+  // End of a backward (the root's final callback, after every group's
+  // finish_backward): completes every reduction in flight, and after the
+  // last backward of a step forgets the forward order.
+  void finish_backward(bool is_last_backward);
   // Waits for every in-flight reduce-scatter and discards its result
   // (reset after a failed iteration).
   void drop_reduces();

@@ -30,7 +30,7 @@ void EventTrace::set_sink(py::object record) {
 
 void EventTrace::emit(TraceEvent event, const std::string& module_fqn, TrainingState state) {
   if (!active_) return;
-  (*sink())(event_name(event), module_fqn, static_cast<int>(state));
+  (*sink())(event_name(event), module_fqn, state);
 }
 
 }  // namespace fsdp_ext::fsdp

@@ -8,6 +8,7 @@
 
 #include <utility>
 
+#include "fsdp/shard_extent.hpp"
 
 namespace fsdp_ext::fsdp {
 namespace {
@@ -110,8 +111,7 @@ void FsdpParam::to_sharded_post_forward(int64_t rank, int64_t world, const py::o
   post_forward_data_ = all_gather_output_.narrow(0, chunk * rank, chunk).clone();
   // This rank's dim-0 chunk of the original shape over `world` ranks.
   std::vector<int64_t> size = orig_size_;
-  const int64_t rows = (orig_size_[0] + world - 1) / world;
-  size[0] = std::max<int64_t>(0, std::min(rows, orig_size_[0] - rows * rank));
+  size[0] = shard_extent(orig_size_[0], world, rank).length;
   at::Tensor local = post_forward_data_.as_strided(size, c10::contiguous_strides(size), 0);
   post_forward_param_ = parameter_class()(make_dtensor(local, spec),
                                           py::arg("requires_grad") = requires_grad());
@@ -243,7 +243,7 @@ void FsdpParam::reset_sharded_param() {
                     ": the sharded local tensor must be contiguous with at least one dim");
   std::vector<int64_t> padded_size = local.sizes().vec();
   const int64_t dim = shard_dim_;
-  padded_size[dim] = (orig_size_[dim] + shard_world_size_ - 1) / shard_world_size_;
+  padded_size[dim] = shard_extent(orig_size_[dim], shard_world_size_, 0).padded;
   at::Tensor padded = at::zeros(padded_size, local.options());
   padded.narrow(dim, 0, local.size(dim)).copy_(local);
   padded_sharded_data_ = padded.view({-1});

@@ -353,6 +353,14 @@ void FsdpParamGroup::drop_pending_all_gather() {
   wait_releasing_gil(pending.work);
 }
 
+void FsdpParamGroup::finish_backward(bool is_last_backward) {
+  // A group autograd never reached (its inputs need no gradient, or its
+  // module was unused) still reduces what it has.
+  if (training_state_ != TrainingState::kPostBackward) post_backward();
+  training_state_ = TrainingState::kIdle;
+  if (is_last_backward) finalize_backward();
+}
+
 void FsdpParamGroup::finalize_backward() {
   // A prefetch whose module never ran (mistargeted): complete and drop it.
   drop_pending_all_gather();

@@ -80,7 +80,6 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   // consecutive ranks, with one DTensorSpec per parameter) when given.
   void set_reshard_after_forward(bool reshard, CollectiveGroup post_forward_group = {},
                                  std::vector<py::object> post_forward_specs = {});
-  bool reshard_after_forward() const { return reshard_after_forward_; }
   bool uses_post_forward_mesh() const {
     return reshard_after_forward_ && static_cast<bool>(post_forward_group_);
   }
@@ -104,6 +103,9 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   void pre_backward(bool default_prefetch);
   void post_backward();
   void finalize_backward();
+  // The root's end-of-backward callback, for every group: post_backward if
+  // autograd did not run it, back to IDLE, finalize after the last backward.
+  void finish_backward(bool is_last_backward);
   // Unshards this group as if it were in `state` (explicit or implicit
   // prefetch); the state is restored afterwards.
   void prefetch_unshard(TrainingState state);

@@ -2,6 +2,7 @@
 // state machine, the shared comm context and the event trace sink. The thin
 // Python layer (torch_fsdp_ext/fsdp) builds these at fully_shard time and
 // calls them from module and autograd hooks.
+#include <pybind11/native_enum.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/python.h>
 
@@ -9,6 +10,7 @@
 #include "fsdp/event_trace.hpp"
 #include "fsdp/fsdp_param.hpp"
 #include "fsdp/fsdp_param_group.hpp"
+#include "fsdp/shard_extent.hpp"
 
 namespace py = pybind11;
 
@@ -22,11 +24,6 @@ using fsdp::ProcessGroupPtr;
 using fsdp::TrainingState;
 
 namespace {
-
-TrainingState training_state_from(int value) {
-  TORCH_CHECK_VALUE(value >= 1 && value <= 4, "fsdp_ext: invalid training state ", value);
-  return static_cast<TrainingState>(value);
-}
 
 // A Python process group object (or None) as the runtime's CollectiveGroup.
 // Only a ProcessGroup subclass written in Python (e.g. torch's threaded test
@@ -42,6 +39,34 @@ CollectiveGroup collective_group(const py::object& group) {
 }  // namespace
 
 void bind_fsdp_runtime(py::module_& m) {
+  // The state enums, exported to users as torch_fsdp_ext.TrainingState /
+  // ShardedState (upstream's member names and values).
+  // Real enum.Enum classes (py::native_enum), as upstream's are.
+  py::native_enum<TrainingState>(m, "TrainingState", "enum.Enum",
+                                 "A parameter group's place in the training step.")
+      .value("FORWARD", TrainingState::kForward)
+      .value("PRE_BACKWARD", TrainingState::kPreBackward)
+      .value("POST_BACKWARD", TrainingState::kPostBackward)
+      .value("IDLE", TrainingState::kIdle)
+      .finalize();
+  py::native_enum<fsdp::ShardedState>(m, "ShardedState", "enum.Enum",
+                                      "Which parameters a group's modules hold.")
+      .value("SHARDED", fsdp::ShardedState::kSharded)
+      .value("SHARDED_POST_FORWARD", fsdp::ShardedState::kShardedPostForward)
+      .value("UNSHARDED", fsdp::ShardedState::kUnsharded)
+      .finalize();
+  m.def(
+      "_fsdp_shard_extent",
+      [](int64_t size, int64_t world, int64_t rank) {
+        TORCH_CHECK_VALUE(world >= 1 && rank >= 0 && rank < world && size >= 0,
+                          "fsdp_ext _fsdp_shard_extent: bad size ", size, " world ", world,
+                          " rank ", rank);
+        const fsdp::ShardExtent e = fsdp::shard_extent(size, world, rank);
+        return py::make_tuple(e.padded, e.start, e.length);
+      },
+      py::arg("size"), py::arg("world"), py::arg("rank"),
+      "(padded slots per rank, first owned index, owned length) along one dimension.");
+
   py::class_<FsdpParam, std::shared_ptr<FsdpParam>>(m, "FsdpParam")
       .def(py::init([](std::string fqn, const py::list& slots, py::object sharded_param,
                        at::Tensor padded_sharded_data, std::vector<int64_t> orig_size,
@@ -64,19 +89,12 @@ void bind_fsdp_runtime(py::module_& m) {
            py::arg("shard_world_size"), py::arg("shard_dim") = 0,
            "slots: (module, attribute name, write module._parameters directly) per holder.")
       .def_property("fqn", &FsdpParam::fqn, &FsdpParam::set_fqn)
-      .def_property_readonly("sharded_state",
-                             [](const FsdpParam& p) { return static_cast<int>(p.sharded_state()); })
+      .def_property_readonly("sharded_state", &FsdpParam::sharded_state)
       .def_property_readonly("sharded_param", &FsdpParam::sharded_param)
       .def_property_readonly("unsharded_param", &FsdpParam::unsharded_param)
-      .def_property_readonly("orig_size", &FsdpParam::orig_size)
-      .def_property_readonly("sharded_size", &FsdpParam::sharded_size)
       .def_property_readonly("shard_dim", &FsdpParam::shard_dim)
       .def_property_readonly("padded_sharded_data", &FsdpParam::padded_sharded_data)
       .def_property_readonly("is_meta", &FsdpParam::is_meta)
-      .def_property_readonly("orig_dtype", &FsdpParam::orig_dtype)
-      .def_property_readonly("param_dtype", &FsdpParam::param_dtype)
-      .def_property_readonly("reduce_dtype", &FsdpParam::reduce_dtype)
-      .def("reset_sharded_param", &FsdpParam::reset_sharded_param)
       .def("__repr__", [](const FsdpParam& p) {
         std::string sizes;
         for (int64_t s : p.orig_size()) sizes += (sizes.empty() ? "" : ", ") + std::to_string(s);
@@ -85,11 +103,11 @@ void bind_fsdp_runtime(py::module_& m) {
 
   py::class_<FsdpCommContext, std::shared_ptr<FsdpCommContext>>(m, "FsdpCommContext")
       .def(py::init<>())
-      .def("finish_reduces", &FsdpCommContext::finish_reduces, py::arg("keep") = 0,
-           "Wait for in-flight gradient reduce-scatters and accumulate their results.")
       .def("drop_reduces", &FsdpCommContext::drop_reduces,
            "Wait for in-flight reduce-scatters and discard their results.")
-      .def("clear_post_forward_order", [](FsdpCommContext& c) { c.post_forward_order.clear(); });
+      .def("finish_backward", &FsdpCommContext::finish_backward, py::arg("is_last_backward"),
+           "Complete every reduction in flight; after the last backward, forget the forward "
+           "order.");
 
   py::class_<FsdpParamGroup, std::shared_ptr<FsdpParamGroup>>(m, "FsdpParamGroup")
       .def(py::init([](std::vector<std::shared_ptr<FsdpParam>> params,
@@ -113,8 +131,6 @@ void bind_fsdp_runtime(py::module_& m) {
           },
           py::arg("reshard"), py::arg("post_forward_group") = py::none(),
           py::arg("post_forward_specs") = std::vector<py::object>())
-      .def_property_readonly("reshard_after_forward", &FsdpParamGroup::reshard_after_forward)
-      .def_property_readonly("uses_post_forward_mesh", &FsdpParamGroup::uses_post_forward_mesh)
       .def_property("comm_context", &FsdpParamGroup::comm_context,
                     &FsdpParamGroup::set_comm_context)
       .def("unshard", &FsdpParamGroup::unshard)
@@ -124,18 +140,14 @@ void bind_fsdp_runtime(py::module_& m) {
       .def("post_forward", &FsdpParamGroup::post_forward, py::arg("inside_backward"))
       .def("pre_backward", &FsdpParamGroup::pre_backward, py::arg("default_prefetch"))
       .def("post_backward", &FsdpParamGroup::post_backward)
-      .def("finalize_backward", &FsdpParamGroup::finalize_backward)
-      .def("prefetch_unshard",
-           [](FsdpParamGroup& g, int state) { g.prefetch_unshard(training_state_from(state)); },
-           py::arg("training_state"))
+      .def("finish_backward", &FsdpParamGroup::finish_backward, py::arg("is_last_backward"))
+      .def("prefetch_unshard", &FsdpParamGroup::prefetch_unshard, py::arg("training_state"))
       .def("reset_iter_state", &FsdpParamGroup::reset_iter_state)
       .def("to_sharded", &FsdpParamGroup::to_sharded)
       .def("reset_sharded_params", &FsdpParamGroup::reset_sharded_params)
-      .def_property(
-          "training_state", [](const FsdpParamGroup& g) { return static_cast<int>(g.training_state()); },
-          [](FsdpParamGroup& g, int state) { g.set_training_state(training_state_from(state)); })
-      .def_property_readonly("sharded_state",
-                             [](const FsdpParamGroup& g) { return static_cast<int>(g.sharded_state()); })
+      .def_property("training_state", &FsdpParamGroup::training_state,
+                    &FsdpParamGroup::set_training_state)
+      .def_property_readonly("sharded_state", &FsdpParamGroup::sharded_state)
       .def_property("module_fqn", &FsdpParamGroup::module_fqn, &FsdpParamGroup::set_module_fqn)
       .def_property_readonly("params", &FsdpParamGroup::params)
       .def_property_readonly("shard_group",

@@ -281,9 +281,7 @@ def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str,
             f"FSDP does not support uneven sharding on dim {dim}: {param.size()} "
             f"(world size: {world})"
         )
-    chunk = -(-param.shape[dim] // world)
-    start = min(rank * chunk, param.shape[dim])
-    length = max(0, min(chunk, param.shape[dim] - start))
+    chunk, start, length = _C._fsdp_shard_extent(param.shape[dim], world, rank)
     padded_size = list(param.shape)
     padded_size[dim] = chunk
     with torch.no_grad():

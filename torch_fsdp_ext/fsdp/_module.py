@@ -56,7 +56,7 @@ def fully_shard(
     _init.validate_params(params)
 
     state = fully_shard.state(roots[0])
-    state.init(roots, device, mp_policy, offload_policy, auto_reshard)
+    state.init(roots, mp_policy, offload_policy, auto_reshard)
     if params:
         slots = _init.module_slots(params, roots)
         fsdp_params = [
@@ -75,7 +75,6 @@ def fully_shard(
             group.set_reshard_after_forward(reshard)
         state._fsdp_param_group = group
         state._orig_param_uids = [_init.orig_param_uid(p) for p in params]
-        state._mesh = mesh
         _register_state_dict_hooks(state, slots)
     for m in managed:
         m._is_fsdp_managed_module = True

@@ -19,11 +19,8 @@ from .. import _C
 from . import _init
 from ._trace import ShardedState, TrainingState
 
-_FORWARD = TrainingState.FORWARD.value
-_PRE_BACKWARD = TrainingState.PRE_BACKWARD.value
-_POST_BACKWARD = TrainingState.POST_BACKWARD.value
-_IDLE = TrainingState.IDLE.value
-_UNSHARDED = ShardedState.UNSHARDED.value
+_FORWARD = TrainingState.FORWARD
+_PRE_BACKWARD = TrainingState.PRE_BACKWARD
 
 
 def get_fsdp_state(module: nn.Module) -> Optional["FSDPState"]:
@@ -85,12 +82,11 @@ class FSDPState(_State):
 
     # Set-up ------------------------------------------------------------------
 
-    def init(self, modules: tuple[nn.Module, ...], device: torch.device, mp_policy,
-             offload_policy, auto_reshard_after_forward: bool) -> None:
+    def init(self, modules: tuple[nn.Module, ...], mp_policy, offload_policy,
+             auto_reshard_after_forward: bool) -> None:
         for module in modules:
             _insert_module_state(module, self)
         self._modules = modules
-        self._device = device
         self._mp_policy = mp_policy
         self._offload_policy = offload_policy
         # The casts the hooks apply (None: none), decided once.
@@ -222,7 +218,7 @@ class FSDPState(_State):
             # Activation-checkpoint recomputation inside backward: parameters
             # must be unsharded (a later module's post_backward may have
             # resharded them), nothing else.
-            if group is not None and group.sharded_state != _UNSHARDED:
+            if group is not None and group.sharded_state != ShardedState.UNSHARDED:
                 group.unshard()
                 group.wait_for_unshard()
             return _cast_floating((args, kwargs), self._input_dtype)
@@ -307,17 +303,10 @@ class FSDPState(_State):
             ctx.iter_forward_root = None
             for state in ctx.all_states:
                 state._modules_to_run_forward.clear()
-                group = state._fsdp_param_group
-                if group is not None:
-                    if group.training_state != _POST_BACKWARD:
-                        group.post_backward()
-                    group.training_state = _IDLE
+                if state._fsdp_param_group is not None:
+                    state._fsdp_param_group.finish_backward(ctx.is_last_backward)
                 state._training_state = TrainingState.IDLE
-                if ctx.is_last_backward and group is not None:
-                    group.finalize_backward()
-            self._comm_ctx.finish_reduces()
-            if ctx.is_last_backward:
-                self._comm_ctx.clear_post_forward_order()
+            self._comm_ctx.finish_backward(ctx.is_last_backward)
         finally:
             ctx.post_backward_final_callback_queued = False
 
@@ -331,7 +320,7 @@ class FSDPState(_State):
             state._training_state = TrainingState.IDLE
             if state._fsdp_param_group is not None:
                 state._fsdp_param_group.reset_iter_state()
-        self._comm_ctx.clear_post_forward_order()
+        self._comm_ctx.finish_backward(True)
         ctx.iter_forward_root = None
         ctx.post_backward_final_callback_queued = False
 

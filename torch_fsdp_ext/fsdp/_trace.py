@@ -18,27 +18,15 @@ calls of a group that keeps its parameters unsharded after forward;
 """
 
 import contextlib
-import enum
 from typing import Iterator, NamedTuple
 
 from .. import _C
 
 
-class TrainingState(enum.Enum):
-    """A parameter group's place in the training step (values as upstream's)."""
-
-    FORWARD = 1
-    PRE_BACKWARD = 2
-    POST_BACKWARD = 3
-    IDLE = 4
-
-
-class ShardedState(enum.Enum):
-    """Which parameters a group's modules hold (values as upstream's)."""
-
-    SHARDED = 1
-    SHARDED_POST_FORWARD = 2
-    UNSHARDED = 3
+# The C++ runtime's enums (csrc/fsdp/training_state.hpp), with upstream's
+# member names and values: one definition, read and set without conversion.
+TrainingState = _C.TrainingState
+ShardedState = _C.ShardedState
 
 
 class FSDPEvent(NamedTuple):
@@ -56,8 +44,8 @@ def _install_top_sink() -> None:
         return
     events = _sinks[-1]
 
-    def record(event: str, module_fqn: str, state: int) -> None:
-        events.append(FSDPEvent(event, module_fqn, TrainingState(state)))
+    def record(event: str, module_fqn: str, state: TrainingState) -> None:
+        events.append(FSDPEvent(event, module_fqn, state))
 
     _C._fsdp_set_trace_sink(record)
 

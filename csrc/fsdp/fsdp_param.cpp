@@ -180,8 +180,30 @@ void FsdpParam::init_unsharded_param() {
   TORCH_CHECK(all_gather_output_.defined(), "fsdp_ext ", fqn_,
               ": init_unsharded_param before the first all-gather");
   at::Tensor view = all_gather_output_.as_strided(orig_size_, c10::contiguous_strides(orig_size_), 0);
-  unsharded_param_ = parameter_class()(view, py::arg("requires_grad") = requires_grad());
+  py::object data = is_dtensor() ? make_dtensor(view, unsharded_spec_with_dtype())
+                                 : py::reinterpret_steal<py::object>(THPVariable_Wrap(view));
+  unsharded_param_ = parameter_class()(data, py::arg("requires_grad") = requires_grad());
   unsharded_tensor_ = unpack(unsharded_param_);
+}
+
+py::object FsdpParam::unsharded_spec_with_dtype() const {
+  py::object meta = unsharded_spec_.attr("tensor_meta");
+  py::object dtype = py::cast(unsharded_dtype());
+  if (meta.is_none() || py::object(meta.attr("dtype")).equal(dtype)) return unsharded_spec_;
+  static py::object* replace = new py::object(py::module_::import("dataclasses").attr("replace"));
+  static py::object* tensor_meta = new py::object(
+      py::module_::import("torch.distributed.tensor._dtensor_spec").attr("TensorMeta"));
+  return (*replace)(unsharded_spec_,
+                    py::arg("tensor_meta") = (*tensor_meta)(meta.attr("shape"),
+                                                            meta.attr("stride"), dtype));
+}
+
+at::Tensor FsdpParam::local_grad(at::Tensor grad) const {
+  if (!grad.defined() || !is_dtensor()) return grad;
+  static py::object* helper = new py::object(
+      py::module_::import("torch_fsdp_ext.fsdp._tensor_parallel").attr("local_grad"));
+  py::object wrapped = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(grad)));
+  return unpack((*helper)(wrapped, unsharded_spec_.attr("placements")));
 }
 
 void FsdpParam::release_unsharded_storage() {
@@ -191,23 +213,21 @@ void FsdpParam::release_unsharded_storage() {
 at::Tensor FsdpParam::take_unsharded_grad() {
   if (accumulated_grad_.defined()) return std::exchange(accumulated_grad_, at::Tensor());
   if (!unsharded_tensor_.defined()) return at::Tensor();
-  return std::exchange(unsharded_tensor_.mutable_grad(), at::Tensor());
+  return local_grad(std::exchange(unsharded_tensor_.mutable_grad(), at::Tensor()));
 }
 
 void FsdpParam::accumulate_unsharded_grad_if_needed() {
   if (!accumulated_grad_.defined() || !unsharded_tensor_.defined()) return;
   at::Tensor& grad = unsharded_tensor_.mutable_grad();
   if (!grad.defined()) return;
-  accumulated_grad_.add_(grad);
-  grad = at::Tensor();
+  accumulated_grad_.add_(local_grad(std::exchange(grad, at::Tensor())));
 }
 
 void FsdpParam::to_accumulated_grad_if_needed() {
   if (!reduce_dtype_ || !unsharded_tensor_.defined()) return;
   at::Tensor& grad = unsharded_tensor_.mutable_grad();
   if (!grad.defined() || grad.scalar_type() == *reduce_dtype_) return;
-  accumulated_grad_ = grad.to(*reduce_dtype_);
-  grad = at::Tensor();
+  accumulated_grad_ = local_grad(std::exchange(grad, at::Tensor())).to(*reduce_dtype_);
 }
 
 void FsdpParam::accumulate_sharded_grad(const at::Tensor& shard) {

@@ -22,6 +22,12 @@
 // parameter is not floating point, and reduce_dtype where it equals
 // param_dtype (gradients already arrive in it).
 //
+// A parameter that is already a DTensor (tensor parallelism) is sharded by
+// its local tensor; `unsharded_spec` is then its original (TP) DTensorSpec:
+// the unsharded parameter is a DTensor with it, and its gradients are
+// unwrapped to local tensors in that spec's placements before reduction
+// (torch_fsdp_ext/fsdp/_tensor_parallel.py).
+//
 // Modules are Python objects, so registration writes the module's
 // _parameters dict (or setattr where the class overrides __setattr__), and
 // gradient DTensors are built through the Python DTensor constructor; the
@@ -87,7 +93,7 @@ class FSDP_EXT_HIDDEN FsdpParam {
 
   // Zeros shaped and typed as the unsharded parameter: the gradient of an
   // unused parameter under set_reduce_scatter_unused_params.
-  at::Tensor zero_unsharded_grad() const { return at::zeros_like(unsharded_tensor_); }
+  at::Tensor zero_unsharded_grad() const { return local_grad(at::zeros_like(unsharded_tensor_)); }
   // The gradient to reduce (undefined if none): the reduce-dtype accumulator
   // if one exists, else the unsharded parameter's .grad (which becomes None).
   at::Tensor take_unsharded_grad();
@@ -117,8 +123,17 @@ class FSDP_EXT_HIDDEN FsdpParam {
   const py::object& sharded_param() const { return sharded_param_; }
   const py::object& unsharded_param() const { return unsharded_param_; }
   const at::Tensor& padded_sharded_data() const { return padded_sharded_data_; }
+  // None for plain parameters (see the file comment).
+  void set_unsharded_spec(py::object spec) { unsharded_spec_ = std::move(spec); }
+  const py::object& unsharded_spec() const { return unsharded_spec_; }
 
  private:
+  bool is_dtensor() const { return unsharded_spec_ && !unsharded_spec_.is_none(); }
+  // A gradient of the unsharded parameter as the plain tensor to reduce
+  // (DTensor parameters: its local tensor in the TP placements).
+  at::Tensor local_grad(at::Tensor grad) const;
+  // unsharded_spec_ with the unsharded dtype (mixed precision changes it).
+  py::object unsharded_spec_with_dtype() const;
   void register_on_modules(const py::object& param);
   // Forgets the all-gather output and the unsharded parameter when they no
   // longer have the unsharded dtype (policy or parameter dtype changed).
@@ -146,8 +161,9 @@ class FSDP_EXT_HIDDEN FsdpParam {
   at::Tensor padded_sharded_data_;  // 1-D
 
   at::Tensor all_gather_output_;  // 1-D, world * padded numel
+  py::object unsharded_spec_ = py::none();
   py::object unsharded_param_;
-  at::Tensor unsharded_tensor_;
+  at::Tensor unsharded_tensor_;  // the parameter (a DTensor for TP parameters)
   at::Tensor accumulated_grad_;  // reduce_dtype, gradient sync off
 
   py::object post_forward_param_;

@@ -91,6 +91,8 @@ void bind_fsdp_runtime(py::module_& m) {
       .def_property("fqn", &FsdpParam::fqn, &FsdpParam::set_fqn)
       .def_property_readonly("sharded_state", &FsdpParam::sharded_state)
       .def_property_readonly("sharded_param", &FsdpParam::sharded_param)
+      .def_property("unsharded_spec", &FsdpParam::unsharded_spec, &FsdpParam::set_unsharded_spec,
+                    "A DTensor parameter's original (TP) DTensorSpec; None for plain ones.")
       .def_property_readonly("unsharded_param", &FsdpParam::unsharded_param)
       .def_property_readonly("shard_dim", &FsdpParam::shard_dim)
       .def_property_readonly("padded_sharded_data", &FsdpParam::padded_sharded_data)

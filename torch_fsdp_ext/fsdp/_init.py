@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import _C
+from . import _tensor_parallel
 
 
 def default_mesh() -> DeviceMesh:
@@ -189,14 +190,17 @@ def managed_states(modules, ignored_params):
     return params, buffers
 
 
-def validate_params(params) -> None:
+def validate_params(params, info: MeshInfo, post_forward_mesh) -> None:
     """What fully_shard cannot shard, refused before the state and hooks exist."""
     for param in params:
         if isinstance(param, DTensor):
-            raise NotImplementedError(
-                "torch_fsdp_ext.fully_shard: DTensor parameters (tensor parallelism) are not "
-                f"supported yet: {param.shape=} {param.placements=}"
-            )
+            _tensor_parallel.check_param(param, info.mesh, info.replicate_dim is not None)
+            if post_forward_mesh is not None:
+                raise NotImplementedError(
+                    "torch_fsdp_ext.fully_shard: reshard_after_forward=int with DTensor "
+                    "(tensor-parallel) parameters is not supported yet"
+                )
+            continue
         if not param.is_contiguous():
             raise NotImplementedError(
                 "FSDP does not support non-contiguous parameters yet: "
@@ -276,31 +280,40 @@ def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str,
     world = info.shard_size
     rank = info.shard_rank
     dim = placement.dim
-    if dim > 0 and param.shape[dim] % world != 0:
+    # A DTensor (tensor-parallel) parameter: FSDP shards its local tensor.
+    tp_spec = param._spec if isinstance(param, DTensor) else None
+    data = param._local_tensor if tp_spec is not None else param
+    if dim > 0 and data.shape[dim] % world != 0:
         raise NotImplementedError(
-            f"FSDP does not support uneven sharding on dim {dim}: {param.size()} "
+            f"FSDP does not support uneven sharding on dim {dim}: {data.size()} "
             f"(world size: {world})"
         )
-    chunk, start, length = _C._fsdp_shard_extent(param.shape[dim], world, rank)
-    padded_size = list(param.shape)
+    chunk, start, length = _C._fsdp_shard_extent(data.shape[dim], world, rank)
+    padded_size = list(data.shape)
     padded_size[dim] = chunk
     with torch.no_grad():
-        padded = torch.zeros(padded_size, dtype=param.dtype, device=param.device)
-        if length and param.device.type != "meta":
-            padded.narrow(dim, 0, length).copy_(param.narrow(dim, start, length))
-        if pin_memory and param.device.type != "meta":
+        padded = torch.zeros(padded_size, dtype=data.dtype, device=data.device)
+        if length and data.device.type != "meta":
+            padded.narrow(dim, 0, length).copy_(data.narrow(dim, start, length))
+        if pin_memory and data.device.type != "meta":
             padded = padded.pin_memory()
-    spec = DTensorSpec(
-        info.mesh, info.placements(placement),
-        tensor_meta=TensorMeta(param.shape, param.stride(), param.dtype),
-    )
+    if tp_spec is None:
+        spec = DTensorSpec(
+            info.mesh, info.placements(placement),
+            tensor_meta=TensorMeta(param.shape, param.stride(), param.dtype),
+        )
+    else:
+        spec = _tensor_parallel.sharded_spec(info.mesh, placement, tp_spec)
     local = padded.narrow(dim, 0, length)
     sharded = nn.Parameter(
         DTensor(local, spec, requires_grad=False), requires_grad=param.requires_grad
     )
-    return _C.FsdpParam(
-        fqn, slots, sharded, padded.view(-1), list(param.shape), list(local.shape), world, dim
+    fsdp_param = _C.FsdpParam(
+        fqn, slots, sharded, padded.view(-1), list(data.shape), list(local.shape), world, dim
     )
+    if tp_spec is not None:
+        fsdp_param.unsharded_spec = tp_spec
+    return fsdp_param
 
 
 def post_forward_specs(params, post_forward_mesh: DeviceMesh):

@@ -53,7 +53,7 @@ def fully_shard(
     managed = _init.managed_modules(roots, ignored_params, get_fsdp_state)
     params, buffers = _init.managed_states(managed, ignored_params)
     _init.move_to_device(params, buffers, device)
-    _init.validate_params(params)
+    _init.validate_params(params, info, post_forward_mesh)
 
     state = fully_shard.state(roots[0])
     state.init(roots, mp_policy, offload_policy, auto_reshard)

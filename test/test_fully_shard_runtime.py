@@ -356,10 +356,15 @@ def test_nested_traces():
 
 
 def check_not_implemented(ctx):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+
     import torch_fsdp_ext
 
+    named = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("dp",))
     cases = [
-        (dict(dp_mesh_dims=object()), "dp_mesh_dims"),
+        (dict(mesh=named, dp_mesh_dims=DataParallelMeshDims(replicate="dp")),
+         "only replicate dims"),
     ]
     for kwargs, what in cases:
         with pytest.raises(NotImplementedError, match=what):

@@ -662,3 +662,116 @@ def _train_fsdp_tp(ctx, backend, precision):
             full=[p.detach().full_tensor() for p in model.parameters()],
         )
     return out
+
+
+# --------------------------------------------------------------------------
+# dp_mesh_dims: every parameter a DTensor on the full (dp, tp) mesh
+
+
+def _spmd_model(mesh):
+    """TPModel with every parameter distributed on the full 2-D mesh,
+    replicated over dp; inputs enter as DTensors sharded over dp."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, \
+        distribute_tensor
+
+    def partition(name, module, device_mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            tp = Replicate()
+            if name.endswith("w1"):
+                tp = Shard(0)
+            elif name.endswith("w2") and pname == "weight":
+                tp = Shard(1)
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param.detach(), device_mesh, [Replicate(), tp])))
+
+    def inputs(module, args, device_mesh):
+        return tuple(DTensor.from_local(a, device_mesh, [Shard(0), Replicate()]) for a in args)
+
+    torch.manual_seed(0)
+    return distribute_module(TPModel(), mesh, partition, input_fn=inputs)
+
+
+@pytest.mark.parametrize("shape,dims", [((2, 2), "fsdp"), ((2, 2), "hsdp")])
+def test_dp_mesh_dims_matches_upstream(shape, dims):
+    results = get_pool(4).run(_train_spmd, shape, dims)
+    for rank, rank_result in enumerate(results):
+        ours, upstream = rank_result["ours"], rank_result["upstream"]
+        for key in ("losses", "placements", "counts", "errors"):
+            assert ours[key] == upstream[key], f"rank {rank} {dims} {key}:\n {ours[key]}\n {upstream[key]}"
+        for i, (a, b) in enumerate(zip(ours["full"], upstream["full"])):
+            assert torch.equal(a, b), f"rank {rank} {dims}: parameter {i} differs"
+    ours = results[0]["ours"]
+    assert all(e != "no error" for e in ours["errors"]), ours["errors"]
+    if dims == "fsdp":
+        # w1 is TP-sharded on dim 0, so FSDP's dp placement is strided.
+        assert "(_StridedShard(dim=0, sf=2), Shard(dim=0))" in ours["placements"], ours
+    else:
+        assert "(Replicate(), Shard(dim=0))" in ours["placements"], ours
+
+
+def _train_spmd(ctx, shape, dims):
+    """"fsdp": shard over dp, TP over tp. "hsdp": a (replicate, shard) mesh
+    whose parameters are plain replicas, DataParallelMeshDims naming both."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, \
+        distribute_tensor
+
+    if dims == "fsdp":
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        dp_dims = DataParallelMeshDims(shard="dp")
+    else:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard"))
+        dp_dims = DataParallelMeshDims(shard="shard", replicate="rep")
+    out = {}
+    for impl in IMPLS:
+        api = fsdp_api(impl)
+        errors = []
+        # A plain parameter, and a misplaced DTensor, are refused (ValueError).
+        for bad in ("plain", "sharded_on_dp"):
+            lin = nn.Linear(4, 4)
+            if bad == "sharded_on_dp":
+                lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh,
+                                                            [Shard(0), Replicate()]))
+                lin.bias = nn.Parameter(distribute_tensor(lin.bias.detach(), mesh,
+                                                          [Replicate(), Replicate()]))
+            try:
+                api.fully_shard(lin, mesh=mesh, dp_mesh_dims=dp_dims)
+                errors.append("no error")
+            except ValueError as error:
+                errors.append(str(error))
+        if dims == "fsdp":
+            model = _spmd_model(mesh)
+        else:
+            torch.manual_seed(0)
+
+            def replicate(name, module, device_mesh):
+                for pname, param in list(module.named_parameters(recurse=False)):
+                    module.register_parameter(pname, nn.Parameter(distribute_tensor(
+                        param.detach(), device_mesh, [Replicate(), Replicate()])))
+
+            def inputs(module, args, device_mesh):
+                return tuple(DTensor.from_local(a, device_mesh, [Shard(0), Shard(0)])
+                             for a in args)
+
+            model = distribute_module(TPModel(), mesh, replicate, input_fn=inputs)
+        for block in model.blocks:
+            api.fully_shard(block, mesh=mesh, dp_mesh_dims=dp_dims)
+        api.fully_shard(model, mesh=mesh, dp_mesh_dims=dp_dims)
+        optim = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses, counts = [], []
+        batch_rank = mesh.get_local_rank(0) if dims == "fsdp" else ctx.rank
+        for step in range(STEPS):
+            with CollectiveCounter() as counter:
+                loss = model(_x(batch_rank, step)).to_local().pow(2).mean()
+                loss.backward()
+            counts.append(dict(counter.counts))
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+        out[impl] = dict(
+            losses=losses, counts=counts, errors=errors,
+            placements=[str(tuple(p.placements)) for p in model.parameters()],
+            full=[p.detach().full_tensor() for p in model.parameters()],
+        )
+    return out

@@ -203,7 +203,7 @@ at::Tensor FsdpParam::local_grad(at::Tensor grad) const {
   static py::object* helper = new py::object(
       py::module_::import("torch_fsdp_ext.fsdp._tensor_parallel").attr("local_grad"));
   py::object wrapped = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(grad)));
-  return unpack((*helper)(wrapped, unsharded_spec_.attr("placements")));
+  return unpack((*helper)(wrapped, unsharded_spec_.attr("placements"), grad_dp_dims_));
 }
 
 void FsdpParam::release_unsharded_storage() {

@@ -126,6 +126,10 @@ class FSDP_EXT_HIDDEN FsdpParam {
   // None for plain parameters (see the file comment).
   void set_unsharded_spec(py::object spec) { unsharded_spec_ = std::move(spec); }
   const py::object& unsharded_spec() const { return unsharded_spec_; }
+  // dp_mesh_dims: the data-parallel mesh dims, where gradients keep their
+  // own placements (a tuple of ints; empty otherwise).
+  void set_grad_dp_dims(py::object dims) { grad_dp_dims_ = std::move(dims); }
+  const py::object& grad_dp_dims() const { return grad_dp_dims_; }
 
  private:
   bool is_dtensor() const { return unsharded_spec_ && !unsharded_spec_.is_none(); }
@@ -162,6 +166,7 @@ class FSDP_EXT_HIDDEN FsdpParam {
 
   at::Tensor all_gather_output_;  // 1-D, world * padded numel
   py::object unsharded_spec_ = py::none();
+  py::object grad_dp_dims_ = py::tuple();
   py::object unsharded_param_;
   at::Tensor unsharded_tensor_;  // the parameter (a DTensor for TP parameters)
   at::Tensor accumulated_grad_;  // reduce_dtype, gradient sync off

@@ -93,6 +93,8 @@ void bind_fsdp_runtime(py::module_& m) {
       .def_property_readonly("sharded_param", &FsdpParam::sharded_param)
       .def_property("unsharded_spec", &FsdpParam::unsharded_spec, &FsdpParam::set_unsharded_spec,
                     "A DTensor parameter's original (TP) DTensorSpec; None for plain ones.")
+      .def_property("grad_dp_dims", &FsdpParam::grad_dp_dims, &FsdpParam::set_grad_dp_dims,
+                    "dp_mesh_dims: mesh dims where gradients keep their placements.")
       .def_property_readonly("unsharded_param", &FsdpParam::unsharded_param)
       .def_property_readonly("shard_dim", &FsdpParam::shard_dim)
       .def_property_readonly("padded_sharded_data", &FsdpParam::padded_sharded_data)

@@ -5,7 +5,7 @@ and build the C++ parameter group. Nothing here runs per training step."""
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,11 +28,17 @@ def default_mesh() -> DeviceMesh:
 
 class MeshInfo(NamedTuple):
     """Which mesh dims shard and replicate: a 1-D mesh shards on its only dim
-    (FSDP); a 2-D mesh replicates on dim 0 and shards on dim 1 (HSDP)."""
+    (FSDP); a 2-D mesh replicates on dim 0 and shards on dim 1 (HSDP).
+
+    With ``dp_mesh_dims`` the user's mesh is the full SPMD mesh on which every
+    parameter is already a DTensor; ``mesh`` is then its data-parallel part
+    (the named dims, flattened where several) and ``spmd_mesh`` the full one."""
 
     mesh: DeviceMesh
     shard_dim: int
     replicate_dim: Optional[int]
+    spmd_mesh: Optional[DeviceMesh] = None
+    dp_mesh_dims: Any = None
 
     @property
     def shard_size(self) -> int:
@@ -54,20 +60,51 @@ class MeshInfo(NamedTuple):
         return (shard,) if self.replicate_dim is None else (Replicate(), shard)
 
 
-def mesh_info(mesh: DeviceMesh) -> MeshInfo:
+def mesh_info(mesh: DeviceMesh, dp_mesh_dims=None) -> MeshInfo:
     """Checks ``mesh`` as upstream does and says how it is used."""
-    if mesh.ndim not in (1, 2):
-        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
-    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
     if mesh.device_type != "cpu":
         raise NotImplementedError(
             f"torch_fsdp_ext.fully_shard: {mesh.device_type} meshes are not supported yet "
             "(CPU only in this release)"
         )
+    if dp_mesh_dims is not None:
+        return _spmd_mesh_info(mesh, dp_mesh_dims)
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
     if mesh.ndim == 1:
         return MeshInfo(mesh, shard_dim=0, replicate_dim=None)
     return MeshInfo(mesh, shard_dim=1, replicate_dim=0)
+
+
+def _spmd_mesh_info(mesh: DeviceMesh, dims) -> MeshInfo:
+    """dp_mesh_dims: the named dims of the full mesh FSDP shards over (and
+    replicates over, HSDP), checked with upstream's errors."""
+    if dims.shard is None and dims.replicate is None:
+        raise ValueError("At least one of shard or replicate must be set in dp_mesh_dims")
+    if mesh.mesh_dim_names is None:
+        raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    for name in (*dims.shard_names, *dims.replicate_names):
+        if name not in mesh.mesh_dim_names:
+            raise ValueError(
+                f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}"
+            )
+    if not dims.shard_names:
+        raise NotImplementedError(
+            "torch_fsdp_ext.fully_shard: dp_mesh_dims with only replicate dims (DDP) is not "
+            "supported yet"
+        )
+
+    def submesh(names):
+        # Several dims are flattened into one, as upstream does.
+        return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
+
+    shard_mesh = submesh(dims.shard_names)
+    if not dims.replicate_names:
+        return MeshInfo(shard_mesh, 0, None, spmd_mesh=mesh, dp_mesh_dims=dims)
+    dp_mesh = DeviceMesh._concatenate([submesh(dims.replicate_names), shard_mesh])
+    return MeshInfo(dp_mesh, 1, 0, spmd_mesh=mesh, dp_mesh_dims=dims)
 
 
 def validate_module(module) -> None:
@@ -118,6 +155,10 @@ def post_forward_setting(reshard_after_forward, info: MeshInfo):
             f"group size to reshard to, not {value}"
         )
     if not isinstance(value, bool):
+        if info.spmd_mesh is not None:
+            raise NotImplementedError(
+                "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)"
+            )
         if value < 1 or value > world or world % value != 0:
             raise ValueError(
                 "If passing reshard_after_forward as an int, it should be a "
@@ -190,9 +231,13 @@ def managed_states(modules, ignored_params):
     return params, buffers
 
 
-def validate_params(params, info: MeshInfo, post_forward_mesh) -> None:
-    """What fully_shard cannot shard, refused before the state and hooks exist."""
-    for param in params:
+def validate_params(params, names, info: MeshInfo, post_forward_mesh) -> None:
+    """What fully_shard cannot shard, refused before the state and hooks exist.
+    `names`: each parameter's attribute name, for messages."""
+    for param, name in zip(params, names):
+        if info.spmd_mesh is not None:
+            _tensor_parallel.check_spmd_param(param, name, info.spmd_mesh, info.dp_mesh_dims)
+            continue
         if isinstance(param, DTensor):
             _tensor_parallel.check_param(param, info.mesh, info.replicate_dim is not None)
             if post_forward_mesh is not None:
@@ -302,6 +347,8 @@ def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str,
             info.mesh, info.placements(placement),
             tensor_meta=TensorMeta(param.shape, param.stride(), param.dtype),
         )
+    elif info.spmd_mesh is not None:
+        spec = _tensor_parallel.spmd_sharded_spec(info, placement, tp_spec)
     else:
         spec = _tensor_parallel.sharded_spec(info.mesh, placement, tp_spec)
     local = padded.narrow(dim, 0, length)
@@ -313,6 +360,9 @@ def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str,
     )
     if tp_spec is not None:
         fsdp_param.unsharded_spec = tp_spec
+        if info.spmd_mesh is not None:
+            fsdp_param.grad_dp_dims = _tensor_parallel.dp_dim_indices(tp_spec.mesh,
+                                                                      info.dp_mesh_dims)
     return fsdp_param
 
 

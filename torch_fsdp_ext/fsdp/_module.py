@@ -39,11 +39,7 @@ def fully_shard(
     torch._C._log_api_usage_once("torch_fsdp_ext.fully_shard")
     _init.validate_module(module)
     mesh = mesh or _init.default_mesh()
-    info = _init.mesh_info(mesh)
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "torch_fsdp_ext.fully_shard: dp_mesh_dims (SPMD meshes) is not supported yet"
-        )
+    info = _init.mesh_info(mesh, dp_mesh_dims)
     auto_reshard = reshard_after_forward is None
     reshard, post_forward_mesh = _init.post_forward_setting(
         True if auto_reshard else reshard_after_forward, info
@@ -53,12 +49,12 @@ def fully_shard(
     managed = _init.managed_modules(roots, ignored_params, get_fsdp_state)
     params, buffers = _init.managed_states(managed, ignored_params)
     _init.move_to_device(params, buffers, device)
-    _init.validate_params(params, info, post_forward_mesh)
+    slots = _init.module_slots(params, roots)
+    _init.validate_params(params, [s[0][1] for s in slots], info, post_forward_mesh)
 
     state = fully_shard.state(roots[0])
     state.init(roots, mp_policy, offload_policy, auto_reshard)
     if params:
-        slots = _init.module_slots(params, roots)
         fsdp_params = [
             _init.shard_param(p, info, _init.shard_placement(shard_placement_fn, p),
                               f"{type(s[0][0]).__name__}.{s[0][1]}", s,

@@ -9,7 +9,7 @@ Where the two implementations run the same arithmetic, losses and final
 parameters must be equal bit for bit and the communication counts the same.
 """
 
-import copy
+import warnings
 from collections import Counter
 
 import pytest
@@ -206,12 +206,25 @@ def _build(case, api, mesh):
         api.fully_shard(model, mesh=mesh)
         return model, lambda m, r, s: m(_x(r, s, (4, 12))).pow(2).mean(), extra
 
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    # Divide factors under mixed precision: bf16 reductions pre-multiply
+    # (upstream's PREMUL_SUM), fp16 ones split the factor around them.
+    mp = {"divide_factor_bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+          "divide_factor_fp16": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                     reduce_dtype=torch.float16)
+          }.get(case, MixedPrecisionPolicy())
     model = TinyLM()
     for block in model.layers:
-        api.fully_shard(block, mesh=mesh)
-    api.fully_shard(model, mesh=mesh)
+        api.fully_shard(block, mesh=mesh, mp_policy=mp)
+    api.fully_shard(model, mesh=mesh, mp_policy=mp)
     fsdp_modules = list(model.layers) + [model]
-    if case == "all_reduce_hook":
+    if case.startswith("divide_factor"):
+        for module in fsdp_modules:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # upstream deprecates this alias
+                module.set_reduce_scatter_divide_factor(3.0)
+    elif case == "all_reduce_hook":
         extra["hooks"] = [HookRecorder() for _ in fsdp_modules]
         for module, hook in zip(fsdp_modules, extra["hooks"]):
             module.set_all_reduce_hook(hook)
@@ -296,6 +309,12 @@ def test_all_reduce_hook_matches_upstream(backend, mesh_shape):
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["fsdp", "hsdp"])
 def test_force_sum_reduction_matches_upstream(mesh_shape):
     _run_case(4 if len(mesh_shape) == 2 else 2, "fsdp_ext", mesh_shape, "force_sum")
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["fsdp", "hsdp"])
+@pytest.mark.parametrize("case", ["divide_factor_bf16", "divide_factor_fp16"])
+def test_divide_factor_with_mixed_precision_matches_upstream(mesh_shape, case):
+    _run_case(4 if len(mesh_shape) == 2 else 2, "fsdp_ext", mesh_shape, case)
 
 
 def test_custom_comms_match_upstream():

@@ -79,7 +79,19 @@ WorkPtr CollectiveGroup::all_gather(at::Tensor& output, at::Tensor& input) const
   return without_gil([&] { return group_->_allgather_base(output, input); });
 }
 
-WorkPtr CollectiveGroup::reduce_scatter(at::Tensor& output, at::Tensor& input) const {
+WorkPtr CollectiveGroup::reduce_scatter(at::Tensor& output, at::Tensor& input,
+                                        std::optional<double> premul) const {
+  bool backend_premul = false;
+  if (premul && !is_set(custom_reduce_scatter_) && !python_impl_) {
+    const std::string name = group_->getBackend(input.device().type())->getBackendName();
+    backend_premul = name == "fsdp_ext" || name == "nccl";
+  }
+  if (premul && !backend_premul) input.mul_(*premul);
+  if (backend_premul) {
+    c10d::ReduceScatterOptions options;
+    options.reduceOp = c10d::makePreMulSum(*premul);
+    return without_gil([&] { return group_->_reduce_scatter_base(output, input, options); });
+  }
   if (is_set(custom_reduce_scatter_)) {
     py::gil_scoped_acquire gil;
     return custom_work(custom_reduce_scatter_(py::arg("output_tensor") = output,

@@ -22,6 +22,8 @@
 #include <pybind11/pybind11.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <optional>
+
 #include "fsdp/training_state.hpp"  // FSDP_EXT_HIDDEN
 
 namespace fsdp_ext::fsdp {
@@ -46,7 +48,11 @@ class FSDP_EXT_HIDDEN CollectiveGroup {
   // Each enqueues with the GIL released where it is held (see the .cpp);
   // a null Work means the collective already completed.
   WorkPtr all_gather(at::Tensor& output, at::Tensor& input) const;
-  WorkPtr reduce_scatter(at::Tensor& output, at::Tensor& input) const;
+  // `premul`: upstream's PREMUL_SUM(premul). Passed to backends that
+  // implement it (fsdp_ext, nccl), so results are theirs bit for bit, as
+  // upstream's; elsewhere (gloo has none) the input is multiplied first.
+  WorkPtr reduce_scatter(at::Tensor& output, at::Tensor& input,
+                         std::optional<double> premul = std::nullopt) const;
   WorkPtr all_reduce(at::Tensor& tensor) const;
 
   enum class Purpose { kAllGather, kReduceScatter };

@@ -289,10 +289,9 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
   grads.clear();  // the unsharded gradients are no longer needed
   if (factors.pre_divide) reduce.input.div_(*factors.pre_divide);
   if (world > 1) {
-    if (factors.pre_multiply) reduce.input.mul_(*factors.pre_multiply);
     reduce.output = shard_group_.buffer(row_numel, options, options_.allocate_from_group,
                                         CollectiveGroup::Purpose::kReduceScatter);
-    reduce.work = shard_group_.reduce_scatter(reduce.output, reduce.input);
+    reduce.work = shard_group_.reduce_scatter(reduce.output, reduce.input, factors.pre_multiply);
   } else {
     // The shard is the whole gradient: nothing to reduce-scatter.
     reduce.output = std::move(reduce.input);

@@ -2,10 +2,12 @@
 // FSDP2's _get_gradient_divide_factors decides, expressed with SUM only.
 //
 // Upstream asks the backend for ReduceOp.AVG (NCCL divides in the kernel) or
-// PREMUL_SUM(1/f); gloo and MPI have neither for every op, and results must
-// not depend on the backend, so we always SUM and divide or multiply locally
-// at the same points: AVG is SUM then a divide of the output by the group
-// size, PREMUL_SUM(1/f) a multiply of the input by 1/f before the SUM.
+// PREMUL_SUM(1/f); gloo and MPI have neither for every op, so AVG is SUM then
+// a divide of the output by the group size (what our backend's AVG does too,
+// bit for bit). PREMUL_SUM(1/f) goes to the backends that implement it
+// (CollectiveGroup::reduce_scatter; their rounding in bf16/fp16 is theirs)
+// and is a multiply of the input before the SUM elsewhere (gloo, where
+// upstream's raises).
 // Dtypes that may overflow (anything but fp32/bf16) split the factor into a
 // power-of-two divide before the reduce-scatter and the rest after the
 // all-reduce, exactly as upstream. `force_sum` (set_force_sum_reduction_for_

@@ -191,12 +191,41 @@ void FsdpParamGroup::post_forward(bool inside_backward) {
   training_state_ = TrainingState::kIdle;
 }
 
-void FsdpParamGroup::pre_backward(bool default_prefetch) {
-  if (training_state_ == TrainingState::kPreBackward) return;
-  training_state_ = TrainingState::kPreBackward;
-  unshard();
-  wait_for_unshard();
-  if (default_prefetch) backward_prefetch();
+void FsdpParamGroup::pre_backward() {
+  // Called for every output gradient of the module: the unshard once, the
+  // explicit prefetches each time (no-ops once issued), as upstream.
+  if (training_state_ != TrainingState::kPreBackward) {
+    training_state_ = TrainingState::kPreBackward;
+    unshard();
+    wait_for_unshard();
+    if (!explicit_backward_prefetch_) backward_prefetch();
+  }
+  for (const auto& weak : backward_prefetch_) {
+    if (auto target = weak.lock()) target->prefetch_unshard(TrainingState::kPreBackward);
+  }
+}
+
+namespace {
+std::vector<std::weak_ptr<FsdpParamGroup>> weak_all(
+    const std::vector<std::shared_ptr<FsdpParamGroup>>& groups) {
+  return {groups.begin(), groups.end()};
+}
+}  // namespace
+
+void FsdpParamGroup::set_forward_prefetch(std::vector<std::shared_ptr<FsdpParamGroup>> targets) {
+  forward_prefetch_ = weak_all(targets);
+}
+
+void FsdpParamGroup::set_backward_prefetch(std::vector<std::shared_ptr<FsdpParamGroup>> targets,
+                                           bool replaces_implicit) {
+  backward_prefetch_ = weak_all(targets);
+  explicit_backward_prefetch_ = replaces_implicit;
+}
+
+void FsdpParamGroup::prefetch_forward_targets() {
+  for (const auto& weak : forward_prefetch_) {
+    if (auto target = weak.lock()) target->prefetch_unshard(TrainingState::kForward);
+  }
 }
 
 void FsdpParamGroup::backward_prefetch() {

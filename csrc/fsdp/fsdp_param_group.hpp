@@ -100,7 +100,9 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   void reshard();
   void pre_forward();
   void post_forward(bool inside_backward);
-  void pre_backward(bool default_prefetch);
+  // Unshards for backward, then prefetches: the explicit backward targets,
+  // or (none set) the group whose forward finished just before this one's.
+  void pre_backward();
   void post_backward();
   void finalize_backward();
   // The root's end-of-backward callback, for every group: post_backward if
@@ -109,6 +111,15 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   // Unshards this group as if it were in `state` (explicit or implicit
   // prefetch); the state is restored afterwards.
   void prefetch_unshard(TrainingState state);
+  // Explicit prefetching (set_modules_to_forward_prefetch / _backward_):
+  // the groups this group unshards ahead when its forward starts, or when
+  // its backward starts. `replaces_implicit`: the user named modules (even
+  // ones without parameters), so the implicit backward prefetch is off.
+  void set_forward_prefetch(std::vector<std::shared_ptr<FsdpParamGroup>> targets);
+  void set_backward_prefetch(std::vector<std::shared_ptr<FsdpParamGroup>> targets,
+                             bool replaces_implicit);
+  // Once per forward pass of the owning state, after pre_forward.
+  void prefetch_forward_targets();
   // Finishes a reduction this group issued (called by the comm context in
   // issue order): waits, divides, all-reduces across replicas (HSDP), casts
   // to the parameters' dtype and accumulates into the sharded gradients.
@@ -172,6 +183,10 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   ShardedState sharded_state_ = ShardedState::kSharded;
   std::optional<PendingAllGather> pending_all_gather_;
   std::vector<size_t> post_forward_indices_;
+  // Weak: targets are other groups, which may own (prefetch) this one.
+  std::vector<std::weak_ptr<FsdpParamGroup>> forward_prefetch_;
+  std::vector<std::weak_ptr<FsdpParamGroup>> backward_prefetch_;
+  bool explicit_backward_prefetch_ = false;
   // Over trainable parameters, set by init_mp_dtypes: the dtype sharded
   // gradients are accumulated in, and the reduce dtype (nullopt: the
   // gradients' own).

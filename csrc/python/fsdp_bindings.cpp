@@ -142,7 +142,11 @@ void bind_fsdp_runtime(py::module_& m) {
       .def("reshard", &FsdpParamGroup::reshard)
       .def("pre_forward", &FsdpParamGroup::pre_forward)
       .def("post_forward", &FsdpParamGroup::post_forward, py::arg("inside_backward"))
-      .def("pre_backward", &FsdpParamGroup::pre_backward, py::arg("default_prefetch"))
+      .def("pre_backward", &FsdpParamGroup::pre_backward)
+      .def("set_forward_prefetch", &FsdpParamGroup::set_forward_prefetch, py::arg("targets"))
+      .def("set_backward_prefetch", &FsdpParamGroup::set_backward_prefetch, py::arg("targets"),
+           py::arg("replaces_implicit"))
+      .def("prefetch_forward_targets", &FsdpParamGroup::prefetch_forward_targets)
       .def("post_backward", &FsdpParamGroup::post_backward)
       .def("finish_backward", &FsdpParamGroup::finish_backward, py::arg("is_last_backward"))
       .def("prefetch_unshard", &FsdpParamGroup::prefetch_unshard, py::arg("training_state"))

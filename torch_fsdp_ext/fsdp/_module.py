@@ -192,11 +192,11 @@ class FSDPModule:
 
     def set_modules_to_forward_prefetch(self, modules: list) -> None:
         _check_fsdp_modules(modules)
-        self._get_fsdp_state()._states_to_forward_prefetch = [m._get_fsdp_state() for m in modules]
+        self._get_fsdp_state()._set_prefetch(list(modules), forward=True)
 
     def set_modules_to_backward_prefetch(self, modules: list) -> None:
         _check_fsdp_modules(modules)
-        self._get_fsdp_state()._states_to_backward_prefetch = [m._get_fsdp_state() for m in modules]
+        self._get_fsdp_state()._set_prefetch(list(modules), forward=False)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         # CPU collectives are ordered by the host: nothing to wait on.

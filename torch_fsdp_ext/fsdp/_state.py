@@ -66,8 +66,10 @@ class FSDPState(_State):
         self._state_ctx = StateContext()
         self._comm_ctx = _C.FsdpCommContext()
         self._training_state = TrainingState.IDLE
-        self._states_to_forward_prefetch: list[FSDPState] = []
-        self._states_to_backward_prefetch: list[FSDPState] = []
+        # Explicit prefetch targets live in the C++ group; a state without
+        # parameters has none, so it keeps its targets' groups here.
+        self._groupless_forward_prefetch: list = []
+        self._groupless_backward_prefetch: list = []
         self._modules_to_run_forward: set[nn.Module] = set()
         self._auto_reshard_after_forward = True
         self._group_initialized = False
@@ -173,6 +175,24 @@ class FSDPState(_State):
             for param in group.params:
                 param.fqn = param_to_fqn.get(id(param.sharded_param), param.fqn)
 
+    def _set_prefetch(self, modules: list, forward: bool) -> None:
+        """set_modules_to_forward_prefetch / _backward_prefetch: the targets'
+        groups go to this state's C++ group, which issues the prefetches."""
+        targets = [m._get_fsdp_state()._fsdp_param_group for m in modules]
+        targets = [t for t in targets if t is not None]
+        group = self._fsdp_param_group
+        if group is None:
+            if forward:
+                self._groupless_forward_prefetch = targets
+            else:
+                self._groupless_backward_prefetch = targets
+        elif forward:
+            group.set_forward_prefetch(targets)
+        else:
+            # Naming modules turns the implicit prefetch off, as upstream's,
+            # even if none of them has parameters.
+            group.set_backward_prefetch(targets, bool(modules))
+
     def _validate_no_duplicate_params(self) -> None:
         """A parameter tied between two fully_shard calls would be sharded,
         gathered and reduced twice, its gradient split between two copies."""
@@ -237,9 +257,10 @@ class FSDPState(_State):
             if entering and torch.is_grad_enabled():
                 args, kwargs = _register_post_backward(group, args, kwargs)
         if first_in_pass:
-            for state in self._states_to_forward_prefetch:
-                if state._fsdp_param_group is not None:
-                    state._fsdp_param_group.prefetch_unshard(_FORWARD)
+            if group is not None:
+                group.prefetch_forward_targets()
+            for target in self._groupless_forward_prefetch:
+                target.prefetch_unshard(_FORWARD)
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, input: Any, output: Any):
@@ -288,10 +309,9 @@ class FSDPState(_State):
             Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
         group = self._fsdp_param_group
         if group is not None:
-            group.pre_backward(not self._states_to_backward_prefetch)
-        for state in self._states_to_backward_prefetch:
-            if state._fsdp_param_group is not None:
-                state._fsdp_param_group.prefetch_unshard(_PRE_BACKWARD)
+            group.pre_backward()
+        for target in self._groupless_backward_prefetch:
+            target.prefetch_unshard(_PRE_BACKWARD)
         return grad
 
     def _root_post_backward_final_callback(self) -> None:

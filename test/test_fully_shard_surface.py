@@ -612,10 +612,28 @@ def test_fsdp_with_tensor_parallel_2x2_matches_upstream(backend, precision):
             assert ours[key] == upstream[key], f"rank {rank} {backend} {key}:\n {ours[key]}\n {upstream[key]}"
         for i, (a, b) in enumerate(zip(ours["full"], upstream["full"])):
             assert torch.equal(a, b), f"rank {rank} {backend}: parameter {i} differs"
+    # The clipping is active (the norms exceed max_norm 0.05).
+    assert min(results[0]["ours"]["norms"]) > 0.05, results[0]["ours"]["norms"]
     placements = results[0]["ours"]["placements"]
     # TP's Shard(0) weights are strided on dp; the plain norm only on dp.
     assert "(_StridedShard(dim=0, sf=2), Shard(dim=0))" in placements, placements
     assert "(Shard(dim=0),)" in placements, placements
+
+
+def _clip_grad_norm_across_meshes(params, max_norm):
+    """clip_grad_norm_ for parameters on two meshes (TP weights on (dp, tp),
+    plain ones on dp), which torch's cannot stack or scale in one foreach:
+    the total norm per mesh, combined, then torch's clip_grads_with_norm_
+    per mesh (the recipe torchtitan uses)."""
+    by_mesh = {}
+    for p in params:
+        by_mesh.setdefault(p.device_mesh, []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]).full_tensor()
+             for group in by_mesh.values()]
+    total = torch.stack(norms).norm()
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total.item()
 
 
 def _train_fsdp_tp(ctx, backend, precision):
@@ -666,9 +684,7 @@ def _train_fsdp_tp(ctx, backend, precision):
                     loss = model(_x(dp_rank, step * 2 + micro)).float().pow(2).mean()
                     loss.backward()
             counts.append(dict(counter.counts))
-            # The norm over parameters on two meshes, as a user computes it.
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            norms.append(torch.stack([g.full_tensor().norm() for g in grads]).norm().item())
+            norms.append(_clip_grad_norm_across_meshes(list(model.parameters()), 0.05))
             optim.step()
             optim.zero_grad()
             losses.append(loss.item())

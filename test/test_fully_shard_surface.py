@@ -602,22 +602,42 @@ class TPModel(nn.Module):
         return self.out(h)
 
 
-@pytest.mark.parametrize("backend,precision", [("fsdp_ext", "fp32"), ("gloo", "fp32"),
-                                               ("fsdp_ext", "bf16"), ("fsdp_ext", "bf16-no-sync")])
-def test_fsdp_with_tensor_parallel_2x2_matches_upstream(backend, precision):
-    results = get_pool(4).run(_train_fsdp_tp, backend, precision)
+class EPTPLinear(nn.Linear):
+    """A Linear whose weight is a DTensor on a 2-D (ep, tp) mesh, used whole
+    (full_tensor) in forward: FSDP over an EP+TP parameter."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight.full_tensor(), self.bias)
+
+
+@pytest.mark.parametrize("backend,precision,layout", [
+    ("fsdp_ext", "fp32", "fsdp"), ("gloo", "fp32", "fsdp"), ("fsdp_ext", "bf16", "fsdp"),
+    ("fsdp_ext", "bf16-no-sync", "fsdp"), ("fsdp_ext", "fp32", "hsdp"),
+    ("fsdp_ext", "fp32", "ep_tp"),
+])
+def test_fsdp_with_tensor_parallel_matches_upstream(backend, precision, layout):
+    """FSDP + TP on a 2x2 (dp, tp) mesh; HSDP + TP on (replicate 2, shard 1,
+    tp 2); an EP+TP parameter on (dp 2, ep 2, tp 1)."""
+    results = get_pool(4).run(_train_fsdp_tp, backend, precision, layout)
     for rank, rank_result in enumerate(results):
         ours, upstream = rank_result["ours"], rank_result["upstream"]
-        for key in ("losses", "norms", "placements", "state_dict", "counts"):
+        for key in ("losses", "norms", "placements", "state_dict", "counts", "errors"):
             assert ours[key] == upstream[key], f"rank {rank} {backend} {key}:\n {ours[key]}\n {upstream[key]}"
         for i, (a, b) in enumerate(zip(ours["full"], upstream["full"])):
             assert torch.equal(a, b), f"rank {rank} {backend}: parameter {i} differs"
     # The clipping is active (the norms exceed max_norm 0.05).
     assert min(results[0]["ours"]["norms"]) > 0.05, results[0]["ours"]["norms"]
     placements = results[0]["ours"]["placements"]
-    # TP's Shard(0) weights are strided on dp; the plain norm only on dp.
-    assert "(_StridedShard(dim=0, sf=2), Shard(dim=0))" in placements, placements
-    assert "(Shard(dim=0),)" in placements, placements
+    expected = {
+        # TP's Shard(0) weights are strided on dp; the plain norm only on dp.
+        "fsdp": ["(_StridedShard(dim=0, sf=2), Shard(dim=0))", "(Shard(dim=0),)"],
+        "hsdp": ["(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))",
+                 "(Replicate(), Shard(dim=0))"],
+        "ep_tp": ["(_StridedShard(dim=0, sf=2), Shard(dim=0), Shard(dim=1))"],
+    }[layout]
+    for placement in expected:
+        assert placement in placements, (placement, placements)
+    assert results[0]["ours"]["errors"] == (["checked"] if layout == "hsdp" else [])
 
 
 def _clip_grad_norm_across_meshes(params, max_norm):
@@ -636,45 +656,57 @@ def _clip_grad_norm_across_meshes(params, max_norm):
     return total.item()
 
 
-def _train_fsdp_tp(ctx, backend, precision):
+def _train_fsdp_tp(ctx, backend, precision, layout):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
 
-    override = None if backend == "fsdp_ext" else {0: "gloo", 1: "gloo"}
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"),
-                            backend_override=override)
-    dp_rank = mesh["dp"].get_local_rank()
-    if precision == "fp32":
-        # Parameters sharded over both dims (EP+TP) are not supported yet: a
-        # clear error at fully_shard.
-        import torch_fsdp_ext
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        two_d = nn.Linear(4, 4)
-        two_d.weight = nn.Parameter(distribute_tensor(two_d.weight.detach(), mesh,
-                                                      [Shard(0), Shard(1)]))
-        with pytest.raises(NotImplementedError, match="mesh of 2 dims"):
-            torch_fsdp_ext.fully_shard(two_d, mesh=mesh["dp"])
+    shape, names = {"fsdp": ((2, 2), ("dp", "tp")),
+                    "hsdp": ((2, 1, 2), ("rep", "shard", "tp")),
+                    "ep_tp": ((2, 2, 1), ("dp", "ep", "tp"))}[layout]
+    override = None if backend == "fsdp_ext" else {d: "gloo" for d in range(len(shape))}
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names, backend_override=override)
+    dp_mesh = mesh["rep", "shard"] if layout == "hsdp" else mesh["dp"]
+    # Ranks of one TP/EP group see the same batch.
+    dp_rank = ctx.rank // 2
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if precision.startswith("bf16") else MixedPrecisionPolicy())
     # "-no-sync": two microbatches per step, the first without gradient sync
     # (bf16 gradients accumulate in fp32, TP gradients unwrapped first).
     microbatches = 2 if precision.endswith("no-sync") else 1
+    errors = []
+    if layout == "hsdp":
+        # A parameter on a 3-D mesh: upstream's limit and message (here the
+        # mesh also overlaps the data-parallel one, which upstream's reports
+        # first, as a RuntimeError from DeviceMesh; ours checks the dims first).
+        three_d = nn.Linear(4, 4)
+        three_d.weight = nn.Parameter(distribute_tensor(
+            three_d.weight.detach(), mesh, [Replicate(), Replicate(), Shard(0)]))
+        with pytest.raises(NotImplementedError, match="FSDP only supports 1D TP/EP or 2D EP"):
+            fsdp_api("ours").fully_shard(three_d, mesh=dp_mesh)
+        errors.append("checked")
     out = {}
     for impl in IMPLS:
         api = fsdp_api(impl)
         torch.manual_seed(0)
         model = TPModel()
         for block in model.blocks:
-            parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(),
-                                                    "w2": RowwiseParallel()})
-            api.fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
-        api.fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+            if layout == "ep_tp":
+                expert = EPTPLinear(16, 32)
+                expert.load_state_dict(block.w1.state_dict())
+                expert.weight = nn.Parameter(distribute_tensor(
+                    expert.weight.detach(), mesh["ep", "tp"], [Shard(0), Shard(1)]))
+                block.w1 = expert
+            else:
+                parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(),
+                                                        "w2": RowwiseParallel()})
+            api.fully_shard(block, mesh=dp_mesh, mp_policy=mp)
+        api.fully_shard(model, mesh=dp_mesh, mp_policy=mp)
         optim = torch.optim.AdamW(model.parameters(), lr=0.01)
         losses, norms, counts = [], [], []
         for step in range(STEPS):
@@ -690,7 +722,7 @@ def _train_fsdp_tp(ctx, backend, precision):
             losses.append(loss.item())
         state = model.state_dict()
         out[impl] = dict(
-            losses=losses, norms=norms, counts=counts,
+            losses=losses, norms=norms, counts=counts, errors=errors,
             placements=[str(tuple(p.placements)) for p in model.parameters()],
             state_dict=sorted((k, str(tuple(v.placements)), tuple(v.shape))
                               for k, v in state.items()),

@@ -239,7 +239,7 @@ def validate_params(params, names, info: MeshInfo, post_forward_mesh) -> None:
             _tensor_parallel.check_spmd_param(param, name, info.spmd_mesh, info.dp_mesh_dims)
             continue
         if isinstance(param, DTensor):
-            _tensor_parallel.check_param(param, info.mesh, info.replicate_dim is not None)
+            _tensor_parallel.check_param(param, info.mesh)
             if post_forward_mesh is not None:
                 raise NotImplementedError(
                     "torch_fsdp_ext.fully_shard: reshard_after_forward=int with DTensor "
@@ -350,7 +350,8 @@ def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str,
     elif info.spmd_mesh is not None:
         spec = _tensor_parallel.spmd_sharded_spec(info, placement, tp_spec)
     else:
-        spec = _tensor_parallel.sharded_spec(info.mesh, placement, tp_spec)
+        spec = _tensor_parallel.sharded_spec(info.mesh, info.replicate_dim is not None,
+                                             placement, tp_spec)
     local = padded.narrow(dim, 0, length)
     sharded = nn.Parameter(
         DTensor(local, spec, requires_grad=False), requires_grad=param.requires_grad

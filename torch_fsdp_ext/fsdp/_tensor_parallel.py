@@ -26,18 +26,12 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
-def check_param(param: DTensor, fsdp_mesh: DeviceMesh, hsdp: bool) -> None:
-    """What we cannot shard yet, refused at fully_shard."""
+def check_param(param: DTensor, fsdp_mesh: DeviceMesh) -> None:
+    """Upstream's limits: TP or EP (1-D) or EP+TP (2-D) parameter meshes."""
     placements = param.placements
-    if len(placements) != 1:
+    if len(placements) > 2:
         raise NotImplementedError(
-            "torch_fsdp_ext.fully_shard: DTensor parameters on a mesh of "
-            f"{len(placements)} dims (EP+TP) are not supported yet: {placements}"
-        )
-    if hsdp:
-        raise NotImplementedError(
-            "torch_fsdp_ext.fully_shard: DTensor (tensor-parallel) parameters with HSDP "
-            "(a 2-D data-parallel mesh) are not supported yet; use a 1-D data-parallel mesh"
+            f"FSDP only supports 1D TP/EP or 2D EP+TP, not {placements}"
         )
     if param.device_mesh.device_type != fsdp_mesh.device_type:
         raise ValueError(
@@ -125,16 +119,20 @@ def spmd_sharded_spec(info, placement: Shard, spec: DTensorSpec) -> DTensorSpec:
                        tensor_meta=spec.tensor_meta)
 
 
-def sharded_spec(fsdp_mesh: DeviceMesh, placement: Shard, tp_spec: DTensorSpec) -> DTensorSpec:
-    """The sharded parameter's spec: the data-parallel and TP meshes joined,
-    FSDP's placement first (strided where TP splits the same dim)."""
+def sharded_spec(fsdp_mesh: DeviceMesh, hsdp: bool, placement: Shard,
+                 tp_spec: DTensorSpec) -> DTensorSpec:
+    """The sharded parameter's spec: the data-parallel mesh (1-D, or HSDP's
+    (replicate, shard)) and the TP/EP mesh joined, FSDP's placement before
+    the parameter's own (strided where those split the same dim)."""
     mesh = DeviceMesh._concatenate([fsdp_mesh, tp_spec.mesh])
     split_factor = tp_spec.num_shards_map[placement.dim]
     fsdp_placement = (
         _StridedShard(placement.dim, split_factor=split_factor) if split_factor > 1 else placement
     )
-    return DTensorSpec(mesh, (fsdp_placement, *tp_spec.placements),
-                       tensor_meta=tp_spec.tensor_meta)
+    placements = (fsdp_placement, *tp_spec.placements)
+    if hsdp:
+        placements = (Replicate(),) + placements
+    return DTensorSpec(mesh, placements, tensor_meta=tp_spec.tensor_meta)
 
 
 def local_grad(grad: torch.Tensor, placements: tuple, dp_dims: tuple = ()) -> torch.Tensor:

@@ -758,7 +758,7 @@ def _spmd_model(mesh):
     return distribute_module(TPModel(), mesh, partition, input_fn=inputs)
 
 
-@pytest.mark.parametrize("shape,dims", [((2, 2), "fsdp"), ((2, 2), "hsdp")])
+@pytest.mark.parametrize("shape,dims", [((2, 2), "fsdp"), ((2, 2), "hsdp"), ((2, 2), "ddp")])
 def test_dp_mesh_dims_matches_upstream(shape, dims):
     results = get_pool(4).run(_train_spmd, shape, dims)
     for rank, rank_result in enumerate(results):
@@ -772,21 +772,31 @@ def test_dp_mesh_dims_matches_upstream(shape, dims):
     if dims == "fsdp":
         # w1 is TP-sharded on dim 0, so FSDP's dp placement is strided.
         assert "(_StridedShard(dim=0, sf=2), Shard(dim=0))" in ours["placements"], ours
+    elif dims == "ddp":
+        # Nothing sharded over dp: the parameters' own placements.
+        assert "(Replicate(), Shard(dim=0))" in ours["placements"], ours
+        assert all(p.startswith("(Replicate(),") for p in ours["placements"]), ours
     else:
         assert "(Replicate(), Shard(dim=0))" in ours["placements"], ours
 
 
 def _train_spmd(ctx, shape, dims):
-    """"fsdp": shard over dp, TP over tp. "hsdp": a (replicate, shard) mesh
-    whose parameters are plain replicas, DataParallelMeshDims naming both."""
+    """"fsdp": shard over dp, TP over tp; "ddp": the same mesh and model,
+    dp only replicating (all-reduce, no sharding). "hsdp": a (replicate,
+    shard) mesh whose parameters are plain replicas, DataParallelMeshDims
+    naming both."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, \
         distribute_tensor
 
-    if dims == "fsdp":
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
-        dp_dims = DataParallelMeshDims(shard="dp")
+    if dims in ("fsdp", "ddp"):
+        # Distinct dim names per case: DTensor caches specs by equal meshes,
+        # and upstream checks the parameters' mesh by identity.
+        dp_name = "dp" if dims == "fsdp" else "ddp"
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=(dp_name, "tp"))
+        dp_dims = (DataParallelMeshDims(shard="dp") if dims == "fsdp"
+                   else DataParallelMeshDims(replicate="ddp"))
     else:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard"))
         dp_dims = DataParallelMeshDims(shard="shard", replicate="rep")
@@ -807,7 +817,7 @@ def _train_spmd(ctx, shape, dims):
                 errors.append("no error")
             except ValueError as error:
                 errors.append(str(error))
-        if dims == "fsdp":
+        if dims in ("fsdp", "ddp"):
             model = _spmd_model(mesh)
         else:
             torch.manual_seed(0)
@@ -827,7 +837,7 @@ def _train_spmd(ctx, shape, dims):
         api.fully_shard(model, mesh=mesh, dp_mesh_dims=dp_dims)
         optim = torch.optim.SGD(model.parameters(), lr=0.05)
         losses, counts = [], []
-        batch_rank = mesh.get_local_rank(0) if dims == "fsdp" else ctx.rank
+        batch_rank = mesh.get_local_rank(0) if dims in ("fsdp", "ddp") else ctx.rank
         for step in range(STEPS):
             with CollectiveCounter() as counter:
                 loss = model(_x(batch_rank, step)).to_local().pow(2).mean()

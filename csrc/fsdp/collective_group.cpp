@@ -142,7 +142,7 @@ at::Tensor CollectiveGroup::buffer(int64_t numel, const at::TensorOptions& optio
                       numel, ",) ", options.dtype().toScalarType());
     return out.view(-1);
   }
-  if (from_group && !python_impl_) {
+  if (from_group && group_ && !python_impl_) {
     c10::intrusive_ptr<c10d::Backend> backend = group_->getBackend(options.device().type());
     if (backend->supportsTensorAlloc(options.device().index())) {
       return backend->allocateTensor(numel, options);

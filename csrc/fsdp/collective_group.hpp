@@ -40,9 +40,12 @@ class FSDP_EXT_HIDDEN CollectiveGroup {
   // `python_impl`: its collectives must go through torch.distributed.
   CollectiveGroup(ProcessGroupPtr group, pybind11::object group_object, bool python_impl);
 
+  // An empty CollectiveGroup is one rank with no collectives to run (the
+  // shard "group" of DDP through dp_mesh_dims); callers never issue one at
+  // size 1.
   explicit operator bool() const { return static_cast<bool>(group_); }
-  int64_t size() const { return group_->getSize(); }
-  int64_t rank() const { return group_->getRank(); }
+  int64_t size() const { return group_ ? group_->getSize() : 1; }
+  int64_t rank() const { return group_ ? group_->getRank() : 0; }
   const ProcessGroupPtr& process_group() const { return group_; }
 
   // Each enqueues with the GIL released where it is held (see the .cpp);

@@ -38,7 +38,10 @@ FsdpParamGroup::FsdpParamGroup(std::vector<std::shared_ptr<FsdpParam>> params,
       shard_group_(std::move(shard_group)),
       replicate_group_(std::move(replicate_group)),
       comm_(std::make_shared<FsdpCommContext>()) {
-  TORCH_CHECK_VALUE(shard_group_, "fsdp_ext FsdpParamGroup: no shard process group");
+  // No shard group is one shard rank (DDP): then gradients must be reduced
+  // across replicas.
+  TORCH_CHECK_VALUE(shard_group_ || replicate_group_,
+                    "fsdp_ext FsdpParamGroup: neither a shard nor a replicate process group");
   TORCH_CHECK_VALUE(!params_.empty(), "fsdp_ext FsdpParamGroup: no parameters");
 }
 

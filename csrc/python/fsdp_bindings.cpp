@@ -116,13 +116,13 @@ void bind_fsdp_runtime(py::module_& m) {
   py::class_<FsdpParamGroup, std::shared_ptr<FsdpParamGroup>>(m, "FsdpParamGroup")
       .def(py::init([](std::vector<std::shared_ptr<FsdpParam>> params,
                        const py::object& shard_group, const py::object& replicate_group) {
-             TORCH_CHECK_VALUE(!shard_group.is_none(), "fsdp_ext FsdpParamGroup: no shard group");
              return std::make_shared<FsdpParamGroup>(std::move(params),
                                                      collective_group(shard_group),
                                                      collective_group(replicate_group));
            }),
            py::arg("params"), py::arg("shard_group"), py::arg("replicate_group") = py::none(),
-           "replicate_group: HSDP's group across replicas (None for FSDP).")
+           "shard_group: None for one shard rank (DDP); replicate_group: HSDP's or DDP's group "
+           "across replicas (None for FSDP).")
       .def("init_mp_dtypes", &FsdpParamGroup::init_mp_dtypes, py::arg("param_dtype"),
            py::arg("reduce_dtype"),
            "Apply a MixedPrecisionPolicy's dtypes; AssertionError if trainable parameters disagree.")

@@ -35,22 +35,22 @@ class MeshInfo(NamedTuple):
     (the named dims, flattened where several) and ``spmd_mesh`` the full one."""
 
     mesh: DeviceMesh
-    shard_dim: int
+    shard_dim: Optional[int]  # None: DDP through dp_mesh_dims (one shard rank)
     replicate_dim: Optional[int]
     spmd_mesh: Optional[DeviceMesh] = None
     dp_mesh_dims: Any = None
 
     @property
     def shard_size(self) -> int:
-        return self.mesh.size(self.shard_dim)
+        return 1 if self.shard_dim is None else self.mesh.size(self.shard_dim)
 
     @property
     def shard_rank(self) -> int:
-        return self.mesh.get_local_rank(self.shard_dim)
+        return 0 if self.shard_dim is None else self.mesh.get_local_rank(self.shard_dim)
 
     @property
     def shard_group(self):
-        return self.mesh.get_group(self.shard_dim)
+        return None if self.shard_dim is None else self.mesh.get_group(self.shard_dim)
 
     @property
     def replicate_group(self):
@@ -90,16 +90,15 @@ def _spmd_mesh_info(mesh: DeviceMesh, dims) -> MeshInfo:
             raise ValueError(
                 f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}"
             )
-    if not dims.shard_names:
-        raise NotImplementedError(
-            "torch_fsdp_ext.fully_shard: dp_mesh_dims with only replicate dims (DDP) is not "
-            "supported yet"
-        )
-
     def submesh(names):
         # Several dims are flattened into one, as upstream does.
         return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
 
+    if not dims.shard_names:
+        # DDP: nothing sharded (no shard dim: one shard rank, no all-gather
+        # or reduce-scatter), gradients all-reduced across the replicas.
+        return MeshInfo(submesh(dims.replicate_names), None, 0, spmd_mesh=mesh,
+                        dp_mesh_dims=dims)
     shard_mesh = submesh(dims.shard_names)
     if not dims.replicate_names:
         return MeshInfo(shard_mesh, 0, None, spmd_mesh=mesh, dp_mesh_dims=dims)

@@ -53,10 +53,12 @@ def check_spmd_param(param, name: str, spmd_mesh: DeviceMesh, dims) -> None:
             "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD "
             f"mesh (e.g. via distribute_module). Got plain tensor for parameter '{name}'."
         )
-    if param.device_mesh is not spmd_mesh:
+    # Equal, not necessarily the same object: DTensor reuses cached specs,
+    # whose mesh may be an earlier, equal DeviceMesh.
+    if param.device_mesh != spmd_mesh:
         raise ValueError(
             "Expected param's DTensor mesh to be the same mesh passed to fully_shard, but got "
-            "different mesh objects"
+            f"{param.device_mesh} for '{name}' and {spmd_mesh}"
         )
     names = spmd_mesh.mesh_dim_names
     for kind, dim_names in (("shard", dims.shard_names), ("replicate", dims.replicate_names)):
@@ -96,7 +98,7 @@ def spmd_sharded_spec(info, placement: Shard, spec: DTensorSpec) -> DTensorSpec:
                 split_factor *= mesh.size(later)
         placements[index] = (_StridedShard(placement.dim, split_factor=split_factor)
                              if split_factor > 1 else placement)
-    if len(shard_names) == 1:
+    if len(shard_names) <= 1:  # none: DDP, the parameter's own placements
         return DTensorSpec(mesh, tuple(placements), tensor_meta=spec.tensor_meta)
     # Several shard dims: one flattened data-parallel dim where they were
     # (with HSDP's replicate dim just before it), the other dims as they are.

@@ -361,8 +361,6 @@ def check_not_implemented(ctx):
     model = torch_fsdp_ext.fully_shard(nn.Linear(4, 4))
     with pytest.raises(NotImplementedError, match="set_symm_mem_for_comm: symmetric memory"):
         model.set_symm_mem_for_comm()
-    with pytest.raises(NotImplementedError, match="set_separate_reduce_scatter_group"):
-        model.set_separate_reduce_scatter_group()
     return True
 
 

@@ -234,6 +234,13 @@ def _build(case, api, mesh):
             module.set_gradient_divide_factor(3.0)
     elif case == "max_input_buffers":
         model.set_reduce_scatter_max_input_buffers(3)
+    elif case == "separate_reduce_scatter_group":
+        model.set_separate_reduce_scatter_group()
+        if api.name == "ours":
+            # One new group for all (same shard ranks), not the shard group.
+            rs_groups = {m._group().reduce_scatter_group for m in fsdp_modules}
+            assert len(rs_groups) == 1 and None not in rs_groups, rs_groups
+            assert model._group().reduce_scatter_group != model._group().shard_group
     elif case == "custom_comms":
         extra["ag"], extra["rs"] = CountingAllGather(), CountingReduceScatter()
         for module in fsdp_modules:
@@ -327,6 +334,12 @@ def test_custom_comms_match_upstream():
     assert rs_calls == sum(c.get(RS, 0) for c in counts) > 0
     assert ag_allocs == ag_calls and rs_allocs == 2 * rs_calls
     assert ops == ["ReduceOp.SUM"] or ops == ["RedOpType.SUM"], ops
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["fsdp", "hsdp"])
+def test_separate_reduce_scatter_group_matches_upstream(mesh_shape):
+    _run_case(4 if len(mesh_shape) == 2 else 2, "fsdp_ext", mesh_shape,
+              "separate_reduce_scatter_group")
 
 
 def test_reduce_scatter_max_input_buffers_matches_upstream():

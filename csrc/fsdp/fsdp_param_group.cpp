@@ -95,7 +95,17 @@ void FsdpParamGroup::set_custom_all_gather(py::object comm) {
 }
 
 void FsdpParamGroup::set_custom_reduce_scatter(py::object comm) {
-  shard_group_.set_custom_reduce_scatter(std::move(comm));
+  custom_reduce_scatter_ = comm;
+  shard_group_.set_custom_reduce_scatter(comm);
+  if (reduce_scatter_group_) reduce_scatter_group_.set_custom_reduce_scatter(std::move(comm));
+}
+
+void FsdpParamGroup::set_reduce_scatter_group(CollectiveGroup group) {
+  TORCH_CHECK_VALUE(!group || group.size() == shard_group_.size(), "fsdp_ext FsdpParamGroup(",
+                    module_fqn_, "): a reduce-scatter group of ", group.size(),
+                    " ranks for a shard group of ", shard_group_.size());
+  reduce_scatter_group_ = std::move(group);
+  if (reduce_scatter_group_) reduce_scatter_group_.set_custom_reduce_scatter(custom_reduce_scatter_);
 }
 
 void FsdpParamGroup::unshard() {
@@ -299,7 +309,8 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
     }
   }
   const at::ScalarType reduce_dtype = reduce_dtype_.value_or(grad_dtype);
-  const int64_t world = shard_group_.size();
+  const CollectiveGroup& group = reduce_scatter_group();
+  const int64_t world = group.size();
   const int64_t replicas = replicate_group_ ? replicate_group_.size() : 0;
   PendingReduce reduce;
   reduce.group = shared_from_this();
@@ -315,15 +326,15 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
   std::vector<int64_t> shard_dims;
   for (const auto& param : params) shard_dims.push_back(param->shard_dim());
   const at::TensorOptions options = grads.front().options().dtype(reduce_dtype);
-  reduce.input = shard_group_.buffer(row_numel * world, options, options_.allocate_from_group,
+  reduce.input = group.buffer(row_numel * world, options, options_.allocate_from_group,
                                     CollectiveGroup::Purpose::kReduceScatter);
   reduce_scatter_copy_in(grads, world, reduce.input, shard_dims);
   grads.clear();  // the unsharded gradients are no longer needed
   if (factors.pre_divide) reduce.input.div_(*factors.pre_divide);
   if (world > 1) {
-    reduce.output = shard_group_.buffer(row_numel, options, options_.allocate_from_group,
-                                        CollectiveGroup::Purpose::kReduceScatter);
-    reduce.work = shard_group_.reduce_scatter(reduce.output, reduce.input, factors.pre_multiply);
+    reduce.output = group.buffer(row_numel, options, options_.allocate_from_group,
+                                 CollectiveGroup::Purpose::kReduceScatter);
+    reduce.work = group.reduce_scatter(reduce.output, reduce.input, factors.pre_multiply);
   } else {
     // The shard is the whole gradient: nothing to reduce-scatter.
     reduce.output = std::move(reduce.input);

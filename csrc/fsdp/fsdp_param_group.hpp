@@ -91,6 +91,15 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   void set_custom_all_gather(py::object comm);
   void set_custom_reduce_scatter(py::object comm);
   bool has_custom_comm() const { return shard_group_.has_custom_comm(); }
+  // set_separate_reduce_scatter_group: reduce-scatters on their own group
+  // (over the same ranks as the shard group); empty: the shard group.
+  void set_reduce_scatter_group(CollectiveGroup group);
+  const CollectiveGroup& reduce_scatter_group() const {
+    return reduce_scatter_group_ ? reduce_scatter_group_ : shard_group_;
+  }
+  bool has_separate_reduce_scatter_group() const {
+    return static_cast<bool>(reduce_scatter_group_);
+  }
   // hook(reduce_output) (set_all_reduce_hook); None: no hook.
   void set_all_reduce_hook(py::object hook) { all_reduce_hook_ = std::move(hook); }
 
@@ -172,7 +181,9 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   CollectiveGroup replicate_group_;
   CollectiveGroup post_forward_group_;
   std::vector<py::object> post_forward_specs_;
+  CollectiveGroup reduce_scatter_group_;
   py::object custom_all_gather_;  // kept for post-forward groups set later
+  py::object custom_reduce_scatter_;  // and for a separate reduce-scatter group
   py::object all_reduce_hook_;
   bool reshard_after_forward_ = true;
   std::shared_ptr<FsdpCommContext> comm_;

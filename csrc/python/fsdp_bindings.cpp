@@ -203,7 +203,18 @@ void bind_fsdp_runtime(py::module_& m) {
       .def("set_custom_reduce_scatter", &FsdpParamGroup::set_custom_reduce_scatter,
            py::arg("comm"))
       .def_property_readonly("has_custom_comm", &FsdpParamGroup::has_custom_comm)
-      .def("set_all_reduce_hook", &FsdpParamGroup::set_all_reduce_hook, py::arg("hook"));
+      .def("set_all_reduce_hook", &FsdpParamGroup::set_all_reduce_hook, py::arg("hook"))
+      .def(
+          "set_reduce_scatter_group",
+          [](FsdpParamGroup& g, const py::object& group) {
+            g.set_reduce_scatter_group(collective_group(group));
+          },
+          py::arg("group"), "A separate group for reduce-scatters; None: the shard group.")
+      .def_property_readonly("reduce_scatter_group", [](const FsdpParamGroup& g) {
+        return g.has_separate_reduce_scatter_group()
+                   ? py::cast(g.reduce_scatter_group().process_group())
+                   : py::none();
+      });
 
   m.def("_fsdp_set_trace_sink", &fsdp::EventTrace::set_sink, py::arg("record"),
         "Install record(event, module_fqn, training_state) for every group event; None removes.");

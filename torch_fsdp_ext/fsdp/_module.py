@@ -6,6 +6,7 @@ import functools
 from typing import Any, Callable, Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import contract
 from torch.distributed.device_mesh import DeviceMesh
@@ -302,11 +303,24 @@ class FSDPModule:
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *,
                                           recurse: bool = True) -> None:
-        raise NotImplementedError(
-            "torch_fsdp_ext FSDPModule.set_separate_reduce_scatter_group is not supported yet: "
-            "the runtime's collectives already run concurrently on the backend's progress "
-            "thread; a second process group is not created"
-        )
+        """Gradient reduce-scatters on their own process group over the shard
+        ranks (one per rank set, created here: call it on every shard rank),
+        so they progress apart from the all-gathers; False: back to the
+        shard group."""
+        new_groups: dict = {}
+        for module in _fsdp_modules(self, recurse):
+            group = module._group()
+            if group is None or group.shard_group is None:
+                continue
+            if not enable:
+                group.set_reduce_scatter_group(None)
+                continue
+            ranks = tuple(dist.get_process_group_ranks(group.shard_group))
+            if ranks not in new_groups:
+                new_groups[ranks] = group.reduce_scatter_group or dist.new_group(
+                    list(ranks), use_local_synchronization=True,
+                    group_desc="fsdp_reduce_scatter")
+            group.set_reduce_scatter_group(new_groups[ranks])
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         raise NotImplementedError(

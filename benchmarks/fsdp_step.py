@@ -162,8 +162,17 @@ def _timing_worker(rank, world, init_file, queue, args):
             t = torch.tensor(times[name], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
             times[name] = t.tolist()
+        # One more, untimed step per contender, counting the bytes its
+        # collectives move (bf16 halves them).
+        comm_mib = {}
+        for name in names:
+            _, _, step = built[name]
+            with _CollectiveBytes() as counted:
+                step(args.steps, rank)
+            comm_mib[name] = counted.bytes / 2**20
         results[f"{model_name} {config}"] = {
             "model": model_name, "config": config, "times": times, "losses": losses,
+            "comm_mib": comm_mib,
             "groups": {name: built[name][1] for name in names},
             "params": sum(p.numel() for p in built["local"][0].parameters()),
         }
@@ -171,6 +180,35 @@ def _timing_worker(rank, world, init_file, queue, args):
     if rank == 0:
         queue.put(results)
     dist.destroy_process_group()
+
+
+class _CollectiveBytes:
+    """Sums, over the c10d collectives dispatched inside the block, the bytes
+    of each one's largest tensor (the gathered output, the reduce-scatter
+    input, the all-reduced buffer): what one rank's collectives carry."""
+
+    def __enter__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        counter = self
+        counter.bytes = 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace == "c10d":
+                    sizes = [t.numel() * t.element_size() for t in tree_leaves((args, kwargs))
+                             if isinstance(t, torch.Tensor)]
+                    counter.bytes += max(sizes, default=0)
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
 
 
 def _rss_kib(field):
@@ -211,8 +249,8 @@ def markdown_tables(run):
                    f"{result['groups']['ours/gloo']} FSDP groups, {args['world_size']} ranks, "
                    f"median of steps {steady}..{args['steps'] - 1}\n")
         out.append("| contender | step ms | ours vs upstream (same backend) | FSDP ms per group "
-                   "| training peak MiB | max loss diff |")
-        out.append("|---|---:|---:|---:|---:|---:|")
+                   "| collective MiB/step | training peak MiB | max loss diff |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|")
         for name in ["local"] + CONTENDERS:
             speedup = ""
             if name.startswith("ours/"):
@@ -227,8 +265,10 @@ def markdown_tables(run):
                 losses = result["losses"]
                 other = ("upstream/" + name.split("/")[1]) if name.startswith("ours/") else "upstream/gloo"
                 loss = f"{max(abs(a - b) for a, b in zip(losses[name], losses[other])):.1e}"
-            out.append(f"| {name} | {med[name] * 1e3:.2f} | {speedup} | {per_group} | {mem} "
-                       f"| {loss} |")
+            comm = result.get("comm_mib", {}).get(name)
+            comm = "" if comm is None or name == "local" else f"{comm:.2f}"
+            out.append(f"| {name} | {med[name] * 1e3:.2f} | {speedup} | {per_group} | {comm} "
+                       f"| {mem} | {loss} |")
         out.append("")
     return "\n".join(out)
 

@@ -233,7 +233,9 @@ def _build(case, api, mesh):
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(3.0)
     elif case == "max_input_buffers":
-        model.set_reduce_scatter_max_input_buffers(3)
+        # On the root only: the comm context applies the largest cap of its
+        # groups (upstream resolves it the same way at lazy init).
+        model.set_reduce_scatter_max_input_buffers(3, recurse=False)
     elif case == "separate_reduce_scatter_group":
         model.set_separate_reduce_scatter_group()
         if api.name == "ours":

@@ -34,8 +34,6 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 class FSDP_EXT_HIDDEN CollectiveGroup {
  public:
   CollectiveGroup() = default;
-  // `python_group` is the group's Python object when its collectives must go
-  // through torch.distributed (see the file comment); None otherwise.
   // `group_object`: the group's Python object (handed to custom comms);
   // `python_impl`: its collectives must go through torch.distributed.
   CollectiveGroup(ProcessGroupPtr group, pybind11::object group_object, bool python_impl);

@@ -11,7 +11,11 @@ void FsdpCommContext::finish_reduces(size_t keep) {
     // the next backward does not wait on it again.
     PendingReduce reduce = std::move(reduces_.front());
     reduces_.pop_front();
-    std::shared_ptr<FsdpParamGroup> group = reduce.group;
+    std::shared_ptr<FsdpParamGroup> group = reduce.group.lock();
+    if (!group) {
+      wait_releasing_gil(reduce.work);  // its parameters are gone
+      continue;
+    }
     group->complete_reduce(std::move(reduce));
   }
 }

@@ -26,7 +26,10 @@ class FsdpParamGroup;
 // every gradient back to back (padded chunk sizes) in the reduce dtype. The
 // group finishes it (divides, HSDP all-reduce, cast, accumulate).
 struct PendingReduce {
-  std::shared_ptr<FsdpParamGroup> group;
+  // Weak: the group owns this context, which queues the reduction; a strong
+  // reference would keep an abandoned model alive (a backward that failed
+  // before the end-of-backward callback).
+  std::weak_ptr<FsdpParamGroup> group;
   std::vector<std::shared_ptr<FsdpParam>> params;
   at::Tensor input;   // kept alive until the collective completes
   at::Tensor output;
@@ -42,6 +45,11 @@ class FSDP_EXT_HIDDEN FsdpCommContext {
   std::vector<std::weak_ptr<FsdpParamGroup>> post_forward_order;
 
   void add_reduce(PendingReduce reduce) { reduces_.push_back(std::move(reduce)); }
+  // Reductions allowed in flight when a group issues its own: the largest
+  // of the groups' set_reduce_scatter_max_input_buffers, resolved at lazy
+  // init as upstream does (one queue, so one cap).
+  void set_max_reduces_in_flight(int64_t n) { max_reduces_in_flight_ = n; }
+  int64_t max_reduces_in_flight() const { return max_reduces_in_flight_; }
   // Completes the oldest reductions until at most `keep` remain in flight
   // (FsdpParamGroup::complete_reduce: wait, divide, all-reduce across
   // replicas, accumulate into the sharded gradients).
@@ -57,6 +65,7 @@ class FSDP_EXT_HIDDEN FsdpCommContext {
 
  private:
   std::deque<PendingReduce> reduces_;
+  int64_t max_reduces_in_flight_ = 1;
 };
 
 }  // namespace fsdp_ext::fsdp

@@ -210,8 +210,13 @@ void FsdpParam::release_unsharded_storage() {
   if (all_gather_output_.defined()) release_storage(all_gather_output_);
 }
 
+void FsdpParam::drop_unsharded_grad() {
+  accumulated_grad_ = at::Tensor();
+  if (unsharded_tensor_.defined()) unsharded_tensor_.mutable_grad() = at::Tensor();
+}
+
 at::Tensor FsdpParam::take_unsharded_grad() {
-  if (accumulated_grad_.defined()) return std::exchange(accumulated_grad_, at::Tensor());
+  if (accumulated_grad_.defined()) return local_grad(std::exchange(accumulated_grad_, at::Tensor()));
   if (!unsharded_tensor_.defined()) return at::Tensor();
   return local_grad(std::exchange(unsharded_tensor_.mutable_grad(), at::Tensor()));
 }
@@ -220,14 +225,16 @@ void FsdpParam::accumulate_unsharded_grad_if_needed() {
   if (!accumulated_grad_.defined() || !unsharded_tensor_.defined()) return;
   at::Tensor& grad = unsharded_tensor_.mutable_grad();
   if (!grad.defined()) return;
-  accumulated_grad_.add_(local_grad(std::exchange(grad, at::Tensor())));
+  // DTensor parameters accumulate DTensors, as upstream: one redistribution
+  // (e.g. of a Partial gradient) when the sum is finally reduced.
+  accumulated_grad_.add_(std::exchange(grad, at::Tensor()));
 }
 
 void FsdpParam::to_accumulated_grad_if_needed() {
   if (!reduce_dtype_ || !unsharded_tensor_.defined()) return;
   at::Tensor& grad = unsharded_tensor_.mutable_grad();
   if (!grad.defined() || grad.scalar_type() == *reduce_dtype_) return;
-  accumulated_grad_ = local_grad(std::exchange(grad, at::Tensor())).to(*reduce_dtype_);
+  accumulated_grad_ = std::exchange(grad, at::Tensor()).to(*reduce_dtype_);
 }
 
 void FsdpParam::accumulate_sharded_grad(const at::Tensor& shard) {
@@ -266,6 +273,7 @@ void FsdpParam::reset_sharded_param() {
   padded_size[dim] = shard_extent(orig_size_[dim], shard_world_size_, 0).padded;
   at::Tensor padded = at::zeros(padded_size, local.options());
   padded.narrow(dim, 0, local.size(dim)).copy_(local);
+  if (pin_memory_) padded = padded.pin_memory();  // CPUOffloadPolicy(pin_memory=True)
   padded_sharded_data_ = padded.view({-1});
   sharded_param_.attr("_local_tensor") = padded.narrow(dim, 0, local.size(dim));
   // A later all-gather allocates an output of the new unsharded dtype.

@@ -97,6 +97,9 @@ class FSDP_EXT_HIDDEN FsdpParam {
   // The gradient to reduce (undefined if none): the reduce-dtype accumulator
   // if one exists, else the unsharded parameter's .grad (which becomes None).
   at::Tensor take_unsharded_grad();
+  // Forgets the unsharded gradient and the accumulator, converting nothing
+  // (no collective: used after a failed iteration).
+  void drop_unsharded_grad();
   // Gradient accumulation without sync under reduce_dtype (upstream's names):
   // folds a new .grad into the accumulator, and moves a .grad of another
   // dtype into a fresh accumulator cast to reduce_dtype.
@@ -125,6 +128,9 @@ class FSDP_EXT_HIDDEN FsdpParam {
   const at::Tensor& padded_sharded_data() const { return padded_sharded_data_; }
   // None for plain parameters (see the file comment).
   void set_unsharded_spec(py::object spec) { unsharded_spec_ = std::move(spec); }
+  // CPUOffloadPolicy(pin_memory=True): re-padded data is pinned again.
+  void set_pin_memory(bool pin) { pin_memory_ = pin; }
+  bool pin_memory() const { return pin_memory_; }
   const py::object& unsharded_spec() const { return unsharded_spec_; }
   // dp_mesh_dims: the data-parallel mesh dims, where gradients keep their
   // own placements (a tuple of ints; empty otherwise).
@@ -166,6 +172,7 @@ class FSDP_EXT_HIDDEN FsdpParam {
 
   at::Tensor all_gather_output_;  // 1-D, world * padded numel
   py::object unsharded_spec_ = py::none();
+  bool pin_memory_ = false;
   py::object grad_dp_dims_ = py::tuple();
   py::object unsharded_param_;
   at::Tensor unsharded_tensor_;  // the parameter (a DTensor for TP parameters)

@@ -293,7 +293,7 @@ void FsdpParamGroup::post_backward() {
     // Earlier groups' reduce-scatters overlapped this group's backward;
     // finish the oldest until fewer than the cap remain in flight (one by
     // default, as upstream keeps), each holding its input buffer.
-    comm_->finish_reduces(static_cast<size_t>(options_.reduce_scatter_max_input_buffers - 1));
+    comm_->finish_reduces(static_cast<size_t>(comm_->max_reduces_in_flight() - 1));
     if (!grads.empty()) reduce_gradients(std::move(with_grad), std::move(grads));
   }
   EventTrace::emit(TraceEvent::kPostBackward, module_fqn_, training_state_);
@@ -413,7 +413,7 @@ void FsdpParamGroup::reset_iter_state() {
   drop_pending_all_gather();
   partial_reduce_output_ = at::Tensor();
   // The failed iteration's gradients must not be reduced with the next one.
-  for (const auto& param : params_) param->take_unsharded_grad();
+  for (const auto& param : params_) param->drop_unsharded_grad();
   post_forward_indices_.clear();
   training_state_ = TrainingState::kIdle;
   to_sharded();

@@ -56,7 +56,8 @@ struct GroupOptions {
   // division happens, hence the rounding: gradient_divide.hpp).
   bool force_sum_reduction_for_comms = false;
   // Reduce-scatters (and their input buffers) allowed in flight when the
-  // next group issues its own: more overlap for more memory.
+  // next group issues its own: more overlap for more memory. The comm
+  // context applies the largest over its groups, resolved at lazy init.
   int64_t reduce_scatter_max_input_buffers = 1;
   // Parameters that got no gradient this backward are reduce-scattered as
   // zeros, so ranks that took different branches issue the same collective.

@@ -31,8 +31,11 @@ namespace {
 CollectiveGroup collective_group(const py::object& group) {
   if (group.is_none()) return {};
   auto process_group = group.cast<ProcessGroupPtr>();
-  static const py::object native = py::module_::import("torch.distributed").attr("ProcessGroup");
-  const bool python_impl = !py::type::of(group).is(native);
+  // Leaked on purpose: a static py::object would be released after the
+  // interpreter is gone.
+  static const py::object* native =
+      new py::object(py::module_::import("torch.distributed").attr("ProcessGroup"));
+  const bool python_impl = !py::type::of(group).is(*native);
   return CollectiveGroup(std::move(process_group), group, python_impl);
 }
 
@@ -93,6 +96,8 @@ void bind_fsdp_runtime(py::module_& m) {
       .def_property_readonly("sharded_param", &FsdpParam::sharded_param)
       .def_property("unsharded_spec", &FsdpParam::unsharded_spec, &FsdpParam::set_unsharded_spec,
                     "A DTensor parameter's original (TP) DTensorSpec; None for plain ones.")
+      .def_property("pin_memory", &FsdpParam::pin_memory, &FsdpParam::set_pin_memory,
+                    "Keep the padded sharded data in pinned memory (CPUOffloadPolicy).")
       .def_property("grad_dp_dims", &FsdpParam::grad_dp_dims, &FsdpParam::set_grad_dp_dims,
                     "dp_mesh_dims: mesh dims where gradients keep their placements.")
       .def_property_readonly("unsharded_param", &FsdpParam::unsharded_param)
@@ -107,6 +112,9 @@ void bind_fsdp_runtime(py::module_& m) {
 
   py::class_<FsdpCommContext, std::shared_ptr<FsdpCommContext>>(m, "FsdpCommContext")
       .def(py::init<>())
+      .def_property("max_reduces_in_flight", &FsdpCommContext::max_reduces_in_flight,
+                    &FsdpCommContext::set_max_reduces_in_flight,
+                    "The largest set_reduce_scatter_max_input_buffers over the groups.")
       .def("drop_reduces", &FsdpCommContext::drop_reduces,
            "Wait for in-flight reduce-scatters and discard their results.")
       .def("finish_backward", &FsdpCommContext::finish_backward, py::arg("is_last_backward"),

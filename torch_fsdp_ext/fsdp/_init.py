@@ -146,6 +146,8 @@ def validate_offloaded_on_cpu(group) -> None:
 
 def post_forward_setting(reshard_after_forward, info: MeshInfo):
     """(reshard after forward?, the smaller mesh to reshard to or None)."""
+    if info.shard_dim is None:
+        return False, None  # DDP: nothing is sharded, nothing to reshard
     world = info.shard_size
     value = reshard_after_forward
     if not isinstance(value, (bool, int)):
@@ -358,6 +360,7 @@ def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str,
     fsdp_param = _C.FsdpParam(
         fqn, slots, sharded, padded.view(-1), list(data.shape), list(local.shape), world, dim
     )
+    fsdp_param.pin_memory = pin_memory
     if tp_spec is not None:
         fsdp_param.unsharded_spec = tp_spec
         if info.spmd_mesh is not None:

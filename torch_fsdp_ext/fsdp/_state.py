@@ -159,6 +159,10 @@ class FSDPState(_State):
             state._comm_ctx = self._comm_ctx
             if state._fsdp_param_group is not None:
                 state._fsdp_param_group.comm_context = self._comm_ctx
+        # One queue of reductions, so one cap: the most any group allows.
+        self._comm_ctx.max_reduces_in_flight = max(
+            (s._fsdp_param_group.reduce_scatter_max_input_buffers
+             for s in ctx.all_states if s._fsdp_param_group is not None), default=1)
         for state in ctx.all_states:
             state._lazy_init_group()
 

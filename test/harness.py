@@ -56,10 +56,18 @@ def _worker_main(rank, world_size, init_file, conn, env):
         if message is None:
             break
         fn, args = message
+        # Each task starts from the worker's environment: a task that sets
+        # variables (forced algorithms) and fails cannot leak them into the
+        # next test run by this long-lived worker.
+        environ = dict(os.environ)
         try:
             conn.send(("ok", fn(ctx, *args)))
         except BaseException:  # report everything, including assertion errors
             conn.send(("error", traceback.format_exc()))
+        finally:
+            if os.environ != environ:
+                os.environ.clear()
+                os.environ.update(environ)
     dist.destroy_process_group()
     conn.send(("closed", None))
 

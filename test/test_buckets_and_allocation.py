@@ -262,7 +262,6 @@ def check_no_leaks_over_1000_iterations(ctx):
         iteration(i)
     dist.barrier()
     stats, fds, rss = be._pool_stats(), _open_fds(), _rss_bytes()
-    shm_files = sorted(os.listdir("/dev/shm"))
     for i in range(1000):
         iteration(i)
     dist.barrier()
@@ -270,8 +269,7 @@ def check_no_leaks_over_1000_iterations(ctx):
     for key in ("segments", "in_use", "reserved_bytes", "registrations", "mapped_peer_segments"):
         assert after[key] == stats[key], (key, stats, after)
     assert after["reuses"] - stats["reuses"] == 3000  # every allocation reused a buffer
-    assert _open_fds() == fds
-    assert sorted(os.listdir("/dev/shm")) == shm_files
+    assert _open_fds() == fds  # segments are memfds: a leaked one is a leaked fd
     assert _rss_bytes() - rss < (8 << 20), (rss, _rss_bytes())
 
 

@@ -31,13 +31,23 @@ ALGORITHM_VARIABLES = (
 
 
 def forced_algorithms():
-    """Run a body under each algorithm in turn (auto, direct, ring, shared memory)."""
-    for choice in ("auto", "direct", "ring", "shm"):
-        for variable in ALGORITHM_VARIABLES:
-            os.environ[variable] = choice
-        yield choice
-    for variable in ALGORITHM_VARIABLES:
-        os.environ.pop(variable, None)
+    """Run a body under each algorithm in turn (auto, direct, ring, shared memory).
+
+    The workers are long-lived: the variables are restored as they were even
+    when the body fails (or the loop is left early), so the next test in the
+    same worker does not inherit a forced algorithm."""
+    saved = {variable: os.environ.get(variable) for variable in ALGORITHM_VARIABLES}
+    try:
+        for choice in ("auto", "direct", "ring", "shm"):
+            for variable in ALGORITHM_VARIABLES:
+                os.environ[variable] = choice
+            yield choice
+    finally:
+        for variable, value in saved.items():
+            if value is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = value
 
 
 def check_all_reduce(ctx):

@@ -250,3 +250,40 @@ def test_init_methods_and_clean_exit(tmp_path, init_method, destroy):
         assert f"done {r}" in out
     leaked = _sysv_segments_created_by(proc.pid for proc in procs)
     assert leaked == [], f"SysV segments left by the ranks: {leaked}"
+
+
+# --------------------------------------------------------------------------
+# Tuning variables: checked at group creation
+
+
+def check_bad_environment(ctx, variable, value):
+    """Every rank sets the same bad value: creating a group raises a
+    ValueError on every rank (before any exchange, so none waits)."""
+    os.environ[variable] = value  # the harness restores the environment
+    with pytest.raises(ValueError) as info:
+        dist.new_group()
+    del os.environ[variable]
+    # The default group still works.
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert torch.all(t == ctx.world_size)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("variable,value,expected", [
+    ("FSDP_EXT_ALLGATHER_ALGO", "rign", "FSDP_EXT_ALLGATHER_ALGO='rign' is not valid; expected "
+     "auto, direct, ring or shm"),
+    ("FSDP_EXT_SPIN_US", "10ms", "FSDP_EXT_SPIN_US='10ms' is not valid; expected a "
+     "non-negative integer"),
+    ("FSDP_EXT_WAIT_SPIN_US", "-5", "FSDP_EXT_WAIT_SPIN_US='-5' is not valid"),
+    ("FSDP_EXT_SHARED_MEMORY", "no", "FSDP_EXT_SHARED_MEMORY='no' is not valid; expected 0 "
+     "(off) or 1 (on)"),
+    ("FSDP_EXT_SHARED_MEMROY", "0", "unknown variable FSDP_EXT_SHARED_MEMROY in the "
+     "environment; the backend reads FSDP_EXT_SPIN_US, FSDP_EXT_WAIT_SPIN_US, "
+     "FSDP_EXT_SHARED_MEMORY"),
+])
+def test_bad_tuning_variable_is_a_clear_error(pool2, variable, value, expected):
+    messages = pool2.run(check_bad_environment, variable, value)
+    for rank, message in enumerate(messages):
+        assert expected in message, message
+        assert f"rank {rank}/2" in message and "init" in message, message

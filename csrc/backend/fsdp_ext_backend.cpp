@@ -10,6 +10,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "backend/environment.hpp"
 #include "backend/peer_identity.hpp"
 #include "backend/store_address_exchange.hpp"
 #include "backend/tensor_validation.hpp"
@@ -78,27 +79,12 @@ std::vector<int64_t> resolve_splits(const OpLabel& label, const at::Tensor& tens
   return splits;
 }
 
-std::chrono::microseconds spin_from_environment() {
-  const char* value = std::getenv("FSDP_EXT_SPIN_US");
-  if (value == nullptr || value[0] == '\0') return std::chrono::microseconds(100);
-  return std::chrono::microseconds(std::max(0L, std::strtol(value, nullptr, 10)));
-}
-
-// FSDP_EXT_SHARED_MEMORY=0 keeps a group on UCX messages only (and makes
-// supports_tensor_alloc false), e.g. to compare or to work around a host
-// where /proc/<pid>/fd of a peer cannot be opened.
-bool shared_memory_wanted() {
-  const char* value = std::getenv("FSDP_EXT_SHARED_MEMORY");
-  return value == nullptr || std::strcmp(value, "0") != 0;
-}
-
 // Whether this rank can read every peer's ordinary memory with
 // process_vm_readv (needs ptrace permission: same uid, no Yama restriction).
-// FSDP_EXT_PROCESS_READS=0 turns it off (large ordinary tensors are then
-// staged in shared memory, as on hosts that refuse it).
-bool can_read_all_processes(const std::vector<PeerIdentity>& peers, int rank) {
-  const char* wanted = std::getenv("FSDP_EXT_PROCESS_READS");
-  if (wanted != nullptr && std::strcmp(wanted, "0") == 0) return false;
+// FSDP_EXT_PROCESS_READS=0 (`wanted` false) turns it off (large ordinary
+// tensors are then staged in shared memory, as on hosts that refuse it).
+bool can_read_all_processes(const std::vector<PeerIdentity>& peers, int rank, bool wanted) {
+  if (!wanted) return false;
   for (int p = 0; p < static_cast<int>(peers.size()); ++p) {
     if (p == rank) continue;
     uint64_t value = 0;
@@ -114,10 +100,11 @@ bool can_read_all_processes(const std::vector<PeerIdentity>& peers, int rank) {
 }
 
 // Whether this rank can share memory with every peer: all on this host, and
-// each peer's probe segment maps.
+// each peer's probe segment maps. FSDP_EXT_SHARED_MEMORY=0 (`wanted` false)
+// keeps a group on UCX messages only (and makes supports_tensor_alloc false).
 bool can_share_with_all(comm::SharedMemoryDomain& domain,
-                        const std::vector<PeerIdentity>& peers, int rank) {
-  if (!shared_memory_wanted()) return false;
+                        const std::vector<PeerIdentity>& peers, int rank, bool wanted) {
+  if (!wanted) return false;
   for (int p = 0; p < static_cast<int>(peers.size()); ++p) {
     if (peers[p].host != peers[rank].host) return false;
   }
@@ -152,6 +139,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   const OpLabel init_label = label("init");
   TORCH_CHECK_VALUE(size >= 1 && size < comm::tag::kMaxRanks, init_label.prefix(),
                     "group size ", size, " is out of range");
+  const BackendEnvironment environment = read_environment(init_label.prefix());
   // [0]: every peer's shared memory maps; [1]: process_vm_readv works too.
   auto shared_ok = std::make_shared<std::array<int32_t, 2>>();
   std::vector<pid_t> pids(size);
@@ -170,13 +158,15 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
       pids[peers.size() - 1] = peers.back().pid;
     }
     transport->connect(addresses);
-    (*shared_ok)[0] = can_share_with_all(*shared_memory_, peers, rank) ? 1 : 0;
-    (*shared_ok)[1] = (*shared_ok)[0] && can_read_all_processes(peers, rank) ? 1 : 0;
+    (*shared_ok)[0] =
+        can_share_with_all(*shared_memory_, peers, rank, environment.shared_memory) ? 1 : 0;
+    (*shared_ok)[1] =
+        (*shared_ok)[0] && can_read_all_processes(peers, rank, environment.process_reads) ? 1 : 0;
     comm::EngineConfig config;
     config.rank = rank;
     config.size = size;
     config.group_name = group_name_;
-    config.spin = spin_from_environment();
+    config.spin = environment.spin;
     config.shared_memory = shared_memory_;
     engine_ = std::make_unique<comm::ProgressEngine>(config, std::move(transport));
   } catch (const comm::CommError& error) {

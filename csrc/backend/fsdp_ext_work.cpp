@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdlib>
 
+#include "backend/environment.hpp"
+
 namespace fsdp_ext::backend {
 namespace {
 // Most ops finish within tens to hundreds of microseconds; polling (and
@@ -13,11 +15,7 @@ namespace {
 // condition variable saves a futex wake-up per op, which costs tens of
 // microseconds on virtual machines. FSDP_EXT_WAIT_SPIN_US overrides it.
 std::chrono::microseconds wait_spin() {
-  static const std::chrono::microseconds spin = [] {
-    const char* value = std::getenv("FSDP_EXT_WAIT_SPIN_US");
-    if (value == nullptr || value[0] == '\0') return std::chrono::microseconds(1000);
-    return std::chrono::microseconds(std::max(0L, std::strtol(value, nullptr, 10)));
-  }();
+  static const std::chrono::microseconds spin = wait_spin_from_environment();
   return spin;
 }
 }  // namespace

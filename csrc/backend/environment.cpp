@@ -1,0 +1,89 @@
+#include "backend/environment.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <string_view>
+
+extern char** environ;
+
+namespace fsdp_ext::backend {
+namespace {
+
+constexpr std::array<const char*, 8> kKnownVariables = {
+    "FSDP_EXT_SPIN_US",          "FSDP_EXT_WAIT_SPIN_US",   "FSDP_EXT_SHARED_MEMORY",
+    "FSDP_EXT_PROCESS_READS",    "FSDP_EXT_ALLGATHER_ALGO", "FSDP_EXT_REDUCE_SCATTER_ALGO",
+    "FSDP_EXT_ALLREDUCE_ALGO",   "FSDP_EXT_BROADCAST_ALGO",
+};
+constexpr std::array<const char*, 4> kAlgorithmVariables = {
+    "FSDP_EXT_ALLGATHER_ALGO", "FSDP_EXT_REDUCE_SCATTER_ALGO", "FSDP_EXT_ALLREDUCE_ALGO",
+    "FSDP_EXT_BROADCAST_ALGO"};
+
+std::string known_list() {
+  std::string out;
+  for (const char* name : kKnownVariables) out += (out.empty() ? "" : ", ") + std::string(name);
+  return out;
+}
+
+// A non-negative integer number of microseconds, or `fallback` when unset.
+std::chrono::microseconds microseconds(const char* variable, int64_t fallback,
+                                       const std::string& where) {
+  const char* value = std::getenv(variable);
+  if (value == nullptr || value[0] == '\0') return std::chrono::microseconds(fallback);
+  errno = 0;
+  char* end = nullptr;
+  const long long parsed = std::strtoll(value, &end, 10);
+  TORCH_CHECK_VALUE(errno == 0 && end != value && *end == '\0' && parsed >= 0, where, variable,
+                    "='", value, "' is not valid; expected a non-negative integer (microseconds)");
+  return std::chrono::microseconds(parsed);
+}
+
+// "0" turns a feature off, "1" (or unset) leaves it on.
+bool switch_on(const char* variable, const std::string& where) {
+  const char* value = std::getenv(variable);
+  if (value == nullptr || value[0] == '\0') return true;
+  TORCH_CHECK_VALUE(std::strcmp(value, "0") == 0 || std::strcmp(value, "1") == 0, where,
+                    variable, "='", value, "' is not valid; expected 0 (off) or 1 (on)");
+  return std::strcmp(value, "1") == 0;
+}
+
+}  // namespace
+
+BackendEnvironment read_environment(const std::string& where) {
+  for (char** entry = environ; entry != nullptr && *entry != nullptr; ++entry) {
+    std::string_view assignment(*entry);
+    if (assignment.rfind("FSDP_EXT_", 0) != 0) continue;
+    const std::string name(assignment.substr(0, assignment.find('=')));
+    bool known = false;
+    for (const char* candidate : kKnownVariables) known = known || name == candidate;
+    TORCH_CHECK_VALUE(known, where, "unknown variable ", name, " in the environment; the "
+                      "backend reads ", known_list());
+  }
+  for (const char* variable : kAlgorithmVariables) {
+    const char* value = std::getenv(variable);
+    if (value == nullptr || value[0] == '\0') continue;
+    const std::string_view choice(value);
+    TORCH_CHECK_VALUE(choice == "auto" || choice == "direct" || choice == "ring" ||
+                          choice == "shm",
+                      where, variable, "='", value,
+                      "' is not valid; expected auto, direct, ring or shm");
+  }
+  BackendEnvironment out;
+  out.spin = microseconds("FSDP_EXT_SPIN_US", 100, where);
+  microseconds("FSDP_EXT_WAIT_SPIN_US", 1000, where);  // checked here, read by the Work
+  out.shared_memory = switch_on("FSDP_EXT_SHARED_MEMORY", where);
+  out.process_reads = switch_on("FSDP_EXT_PROCESS_READS", where);
+  return out;
+}
+
+std::chrono::microseconds wait_spin_from_environment() {
+  const char* value = std::getenv("FSDP_EXT_WAIT_SPIN_US");
+  if (value == nullptr || value[0] == '\0') return std::chrono::microseconds(1000);
+  const long long parsed = std::strtoll(value, nullptr, 10);
+  return std::chrono::microseconds(parsed < 0 ? 0 : parsed);
+}
+
+}  // namespace fsdp_ext::backend

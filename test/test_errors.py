@@ -208,7 +208,7 @@ def _sysv_segments_created_by(pids):
     return [row[0] for row in rows if len(row) >= 4 and row[0].isdigit() and row[2] in wanted]
 
 
-def _launch_two_ranks(script, tmp_path, init_method, destroy):
+def _launch_two_ranks(script, tmp_path, init_method, destroy, extra_env=None):
     """Runs the two-rank script to completion; (processes, [(returncode,
     stdout, stderr)] per rank)."""
     import socket
@@ -218,7 +218,7 @@ def _launch_two_ranks(script, tmp_path, init_method, destroy):
         port = s.getsockname()[1]
     init = {"tcp": f"tcp://127.0.0.1:{port}", "file": f"file://{tmp_path}/store-{port}",
             "env": "env://"}[init_method]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(extra_env or {}))
     procs = [
         subprocess.Popen([sys.executable, str(script), str(r), "2", init, "1" if destroy else "0"],
                          env=dict(env, RANK=str(r), WORLD_SIZE="2"), stdout=subprocess.PIPE,
@@ -287,3 +287,27 @@ def test_bad_tuning_variable_is_a_clear_error(pool2, variable, value, expected):
     for rank, message in enumerate(messages):
         assert expected in message, message
         assert f"rank {rank}/2" in message and "init" in message, message
+
+
+@pytest.mark.parametrize("shared_memory", ["1", "0"])
+def test_group_creation_logs_one_line(tmp_path, shared_memory):
+    """With TORCH_CPP_LOG_LEVEL=INFO every rank logs, per group, its rank,
+    the hosts, and whether shared memory and process reads are on, with the
+    reason when off."""
+    script = tmp_path / "run.py"
+    script.write_text(CLEAN_EXIT_SCRIPT)
+    for attempt in range(3):
+        _, results = _launch_two_ranks(
+            script, tmp_path, "env", True,
+            {"TORCH_CPP_LOG_LEVEL": "INFO", "FSDP_EXT_SHARED_MEMORY": shared_memory})
+        if not any("address already in use" in err.lower() for _, _, err in results):
+            break
+    for rank, (returncode, _, err) in enumerate(results):
+        assert returncode == 0, err[-2000:]
+        lines = [line for line in err.splitlines() if "fsdp_ext group '0'" in line]
+        assert len(lines) == 1, err[-2000:]
+        expected = (f"rank {rank}/2, 1 host, shared memory on, process reads on"
+                    if shared_memory == "1" else
+                    f"rank {rank}/2, 1 host, shared memory off (FSDP_EXT_SHARED_MEMORY=0), "
+                    "process reads off (no shared memory)")
+        assert lines[0].endswith(expected), lines[0]

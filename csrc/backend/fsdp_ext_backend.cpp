@@ -2,6 +2,7 @@
 
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <string>
 
 #include "backend/environment.hpp"
 #include "backend/peer_identity.hpp"
@@ -83,40 +85,53 @@ std::vector<int64_t> resolve_splits(const OpLabel& label, const at::Tensor& tens
 // process_vm_readv (needs ptrace permission: same uid, no Yama restriction).
 // FSDP_EXT_PROCESS_READS=0 (`wanted` false) turns it off (large ordinary
 // tensors are then staged in shared memory, as on hosts that refuse it).
-bool can_read_all_processes(const std::vector<PeerIdentity>& peers, int rank, bool wanted) {
-  if (!wanted) return false;
+// Returns why not ("" when every read works), for the group's log line.
+std::string why_no_process_reads(const std::vector<PeerIdentity>& peers, int rank, bool wanted) {
+  if (!wanted) return "FSDP_EXT_PROCESS_READS=0";
   for (int p = 0; p < static_cast<int>(peers.size()); ++p) {
     if (p == rank) continue;
     uint64_t value = 0;
     try {
       comm::SharedMemoryDomain::read_process_memory(peers[p].pid, peers[p].probe_address, &value,
                                                     sizeof(value));
-    } catch (const comm::CommError&) {
-      return false;
+    } catch (const comm::CommError& error) {
+      return "reading rank " + std::to_string(p) + "'s memory failed: " + error.what();
     }
-    if (value != kProcessReadProbeValue) return false;
+    if (value != kProcessReadProbeValue) {
+      return "reading rank " + std::to_string(p) + "'s memory gave a wrong value";
+    }
   }
-  return true;
+  return "";
 }
 
 // Whether this rank can share memory with every peer: all on this host, and
 // each peer's probe segment maps. FSDP_EXT_SHARED_MEMORY=0 (`wanted` false)
 // keeps a group on UCX messages only (and makes supports_tensor_alloc false).
-bool can_share_with_all(comm::SharedMemoryDomain& domain,
-                        const std::vector<PeerIdentity>& peers, int rank, bool wanted) {
-  if (!wanted) return false;
+// Returns why not ("" when it can), for the group's log line.
+std::string why_no_shared_memory(comm::SharedMemoryDomain& domain,
+                                 const std::vector<PeerIdentity>& peers, int rank, bool wanted) {
+  if (!wanted) return "FSDP_EXT_SHARED_MEMORY=0";
   for (int p = 0; p < static_cast<int>(peers.size()); ++p) {
-    if (peers[p].host != peers[rank].host) return false;
+    if (peers[p].host != peers[rank].host) {
+      return "rank " + std::to_string(p) + " is on another host (" + peers[p].host + ")";
+    }
   }
   for (int p = 0; p < static_cast<int>(peers.size()); ++p) {
     if (p == rank) continue;
     try {
       domain.probe_peer(p, peers[p].pid, peers[p].probe);
-    } catch (const comm::CommError&) {
-      return false;
+    } catch (const comm::CommError& error) {
+      return "rank " + std::to_string(p) + "'s memory could not be mapped: " + error.what();
     }
   }
-  return true;
+  return "";
+}
+
+size_t distinct_hosts(const std::vector<PeerIdentity>& peers) {
+  std::vector<std::string> hosts;
+  for (const PeerIdentity& peer : peers) hosts.push_back(peer.host);
+  std::sort(hosts.begin(), hosts.end());
+  return static_cast<size_t>(std::unique(hosts.begin(), hosts.end()) - hosts.begin());
 }
 
 std::mutex& registry_mutex() {
@@ -140,6 +155,8 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   TORCH_CHECK_VALUE(size >= 1 && size < comm::tag::kMaxRanks, init_label.prefix(),
                     "group size ", size, " is out of range");
   const BackendEnvironment environment = read_environment(init_label.prefix());
+  std::string no_shared_memory, no_process_reads;
+  size_t hosts = 0;
   // [0]: every peer's shared memory maps; [1]: process_vm_readv works too.
   auto shared_ok = std::make_shared<std::array<int32_t, 2>>();
   std::vector<pid_t> pids(size);
@@ -158,10 +175,16 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
       pids[peers.size() - 1] = peers.back().pid;
     }
     transport->connect(addresses);
-    (*shared_ok)[0] =
-        can_share_with_all(*shared_memory_, peers, rank, environment.shared_memory) ? 1 : 0;
-    (*shared_ok)[1] =
-        (*shared_ok)[0] && can_read_all_processes(peers, rank, environment.process_reads) ? 1 : 0;
+    no_shared_memory = why_no_shared_memory(*shared_memory_, peers, rank,
+                                            environment.shared_memory);
+    if (no_shared_memory.empty()) {
+      no_process_reads = why_no_process_reads(peers, rank, environment.process_reads);
+    } else {
+      no_process_reads = "no shared memory";
+    }
+    hosts = distinct_hosts(peers);
+    (*shared_ok)[0] = no_shared_memory.empty() ? 1 : 0;
+    (*shared_ok)[1] = (*shared_ok)[0] && no_process_reads.empty() ? 1 : 0;
     comm::EngineConfig config;
     config.rank = rank;
     config.size = size;
@@ -187,6 +210,17 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
                         if ((*shared_ok)[0] == 1) domain->enable(pids, (*shared_ok)[1] == 1);
                       });
   work->wait();
+  // One line per group (TORCH_CPP_LOG_LEVEL=INFO): what was agreed and, where
+  // a feature is off, why this rank could not (or that another rank could not).
+  auto state = [](bool on, const std::string& local_reason) {
+    if (on) return std::string("on");
+    return "off (" + (local_reason.empty() ? std::string("another rank could not")
+                                           : local_reason) + ")";
+  };
+  LOG(INFO) << "fsdp_ext group '" << group_name_ << "': rank " << rank << "/" << size << ", "
+            << hosts << (hosts == 1 ? " host" : " hosts") << ", shared memory "
+            << state((*shared_ok)[0] == 1, no_shared_memory) << ", process reads "
+            << state((*shared_ok)[1] == 1, no_process_reads);
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry().push_back(this);
 }

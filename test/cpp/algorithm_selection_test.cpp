@@ -1,0 +1,86 @@
+// Which algorithm each collective picks by size, group size and shared
+// memory, and what the FSDP_EXT_*_ALGO variables force.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "comm/algorithm_selection.h"
+
+namespace fsdp_ext::comm {
+namespace {
+
+// Sets an environment variable for one test, restoring it afterwards.
+class ScopedVariable {
+ public:
+  ScopedVariable(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    setenv(name, value, 1);
+  }
+  ~ScopedVariable() {
+    if (had_) {
+      setenv(name_.c_str(), old_.c_str(), 1);
+    } else {
+      unsetenv(name_.c_str());
+    }
+  }
+
+ private:
+  std::string name_, old_;
+  bool had_ = false;
+};
+
+constexpr size_t KiB = 1024, MiB = 1024 * KiB;
+
+TEST(AlgorithmSelection, SharedMemoryAboveItsThreshold) {
+  EXPECT_EQ(select_allgather(32 * KiB, 2, true), Algorithm::kSharedMemory);
+  EXPECT_EQ(select_allgather(32 * KiB - 1, 2, true), Algorithm::kDirect);
+  EXPECT_EQ(select_reduce_scatter(64 * MiB, 3, true), Algorithm::kSharedMemory);
+  EXPECT_EQ(select_allreduce(1 * MiB, 5, true), Algorithm::kSharedMemory);
+  EXPECT_EQ(select_broadcast(1 * MiB, 2, true), Algorithm::kSharedMemory);
+}
+
+TEST(AlgorithmSelection, MessagesWithoutSharedMemory) {
+  // Rings for large ops on many ranks; one direct round otherwise.
+  EXPECT_EQ(select_allgather(1 * MiB, 4, false), Algorithm::kRing);
+  EXPECT_EQ(select_allgather(1 * MiB - 1, 4, false), Algorithm::kDirect);
+  EXPECT_EQ(select_allgather(64 * MiB, 3, false), Algorithm::kDirect);
+  EXPECT_EQ(select_reduce_scatter(1 * MiB, 4, false), Algorithm::kRing);
+  EXPECT_EQ(select_allreduce(64 * KiB, 8, false), Algorithm::kDirect);
+  EXPECT_EQ(select_allreduce(64 * KiB + 1, 2, false), Algorithm::kRing);
+  EXPECT_EQ(select_broadcast(1 * MiB, 8, false), Algorithm::kDirect);
+  EXPECT_EQ(select_broadcast(1 * MiB, 9, false), Algorithm::kRing);
+}
+
+TEST(AlgorithmSelection, ForcedByVariable) {
+  {
+    ScopedVariable forced("FSDP_EXT_ALLGATHER_ALGO", "ring");
+    EXPECT_EQ(select_allgather(8, 2, true), Algorithm::kRing);
+  }
+  {
+    ScopedVariable forced("FSDP_EXT_REDUCE_SCATTER_ALGO", "direct");
+    EXPECT_EQ(select_reduce_scatter(64 * MiB, 4, true), Algorithm::kDirect);
+  }
+  {
+    // "shm" where the group has no shared memory: the automatic choice.
+    ScopedVariable forced("FSDP_EXT_ALLREDUCE_ALGO", "shm");
+    EXPECT_EQ(select_allreduce(8, 2, true), Algorithm::kSharedMemory);
+    EXPECT_EQ(select_allreduce(8, 2, false), Algorithm::kDirect);
+  }
+  {
+    ScopedVariable forced("FSDP_EXT_BROADCAST_ALGO", "auto");
+    EXPECT_EQ(select_broadcast(8, 2, false), Algorithm::kDirect);
+  }
+  // Each variable governs its own collective only.
+  ScopedVariable forced("FSDP_EXT_ALLGATHER_ALGO", "ring");
+  EXPECT_EQ(select_reduce_scatter(8, 2, false), Algorithm::kDirect);
+}
+
+TEST(AlgorithmSelection, Names) {
+  EXPECT_STREQ(algorithm_name(Algorithm::kDirect), "direct");
+  EXPECT_STREQ(algorithm_name(Algorithm::kRing), "ring");
+  EXPECT_STREQ(algorithm_name(Algorithm::kSharedMemory), "shm");
+}
+
+}  // namespace
+}  // namespace fsdp_ext::comm

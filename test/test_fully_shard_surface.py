@@ -705,6 +705,18 @@ def _train_fsdp_tp(ctx, backend, precision, layout):
         with pytest.raises(NotImplementedError, match="FSDP only supports 1D TP/EP or 2D EP"):
             fsdp_api("ours").fully_shard(three_d, mesh=dp_mesh)
         errors.append("checked")
+    if layout == "fsdp" and precision == "fp32":
+        # A DTensor whose local tensor is not contiguous: FSDP shards the
+        # local tensor, so the same error as for a plain parameter.
+        from torch.distributed.tensor import DTensor
+
+        strided = nn.Linear(4, 8)
+        strided.weight = nn.Parameter(DTensor.from_local(
+            torch.randn(4, 8).t(), mesh["tp"], [Shard(0)], run_check=False))
+        assert not strided.weight._local_tensor.is_contiguous()
+        with pytest.raises(NotImplementedError,
+                           match="FSDP does not support non-contiguous parameters"):
+            fsdp_api("ours").fully_shard(strided, mesh=dp_mesh)
     out = {}
     for impl in IMPLS:
         api = fsdp_api(impl)

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <string>
 
+#include "fsdp/shard_extent.hpp"
+
 namespace fsdp_ext::fsdp {
 namespace {
 
@@ -56,8 +58,7 @@ int64_t padded_chunk_numel(at::IntArrayRef sizes, int64_t world_size, int64_t sh
   TORCH_CHECK_VALUE(shard_dim == 0 || sizes[shard_dim] % world_size == 0,
                     "fsdp_ext: Shard(", shard_dim, ") needs dim ", shard_dim, " (size ",
                     sizes[shard_dim], ") divisible by the world size ", world_size);
-  const int64_t chunk = (sizes[shard_dim] + world_size - 1) / world_size;
-  int64_t numel = chunk;
+  int64_t numel = shard_extent(sizes[shard_dim], world_size, 0).padded;
   for (size_t d = 0; d < sizes.size(); ++d) {
     if (static_cast<int64_t>(d) != shard_dim) numel *= sizes[d];
   }

@@ -2,8 +2,9 @@
 // rank owns ceil(size / world) slots, the last ranks' slots partly or wholly
 // padding (upstream FSDP2's layout, which torch.chunk also gives). The one
 // place this is computed: sharding at fully_shard (Python calls it through
-// _C._fsdp_shard_extent), re-padding after load_state_dict(assign=True), and
-// the post-forward shards of reshard_after_forward=int.
+// _C._fsdp_shard_extent), re-padding after load_state_dict(assign=True), the
+// post-forward shards of reshard_after_forward=int, and the reduce-scatter
+// layout (copy_kernels.cpp's padded_chunk_numel).
 #pragma once
 
 #include <algorithm>

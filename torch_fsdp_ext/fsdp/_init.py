@@ -238,19 +238,19 @@ def validate_params(params, names, info: MeshInfo, post_forward_mesh) -> None:
     for param, name in zip(params, names):
         if info.spmd_mesh is not None:
             _tensor_parallel.check_spmd_param(param, name, info.spmd_mesh, info.dp_mesh_dims)
-            continue
-        if isinstance(param, DTensor):
-            _tensor_parallel.check_param(param, info.mesh)
+        elif isinstance(param, DTensor):
+            _tensor_parallel.check_param(param)
             if post_forward_mesh is not None:
                 raise NotImplementedError(
                     "torch_fsdp_ext.fully_shard: reshard_after_forward=int with DTensor "
                     "(tensor-parallel) parameters is not supported yet"
                 )
-            continue
-        if not param.is_contiguous():
+        # What FSDP shards: a DTensor's local tensor, else the parameter.
+        data = param._local_tensor if isinstance(param, DTensor) else param
+        if not data.is_contiguous():
             raise NotImplementedError(
                 "FSDP does not support non-contiguous parameters yet: "
-                f"{param.shape=} {param.stride()=}"
+                f"param.shape={data.shape} param.stride()={data.stride()}"
             )
 
 

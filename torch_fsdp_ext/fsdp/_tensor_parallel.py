@@ -26,22 +26,13 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
-def check_param(param: DTensor, fsdp_mesh: DeviceMesh) -> None:
-    """Upstream's limits: TP or EP (1-D) or EP+TP (2-D) parameter meshes."""
+def check_param(param: DTensor) -> None:
+    """Upstream's limits: TP or EP (1-D) or EP+TP (2-D) parameter meshes.
+    (A mesh of another device type was refused by _init.move_to_device.)"""
     placements = param.placements
     if len(placements) > 2:
         raise NotImplementedError(
             f"FSDP only supports 1D TP/EP or 2D EP+TP, not {placements}"
-        )
-    if param.device_mesh.device_type != fsdp_mesh.device_type:
-        raise ValueError(
-            "Requires DTensor to have mesh of the same type as the FSDP mesh but got "
-            f"{param.device_mesh.device_type} for DTensor and {fsdp_mesh.device_type} for FSDP"
-        )
-    if not param._local_tensor.is_contiguous():
-        raise NotImplementedError(
-            "FSDP does not support non-contiguous parameters yet: "
-            f"{param._local_tensor.shape=} {param._local_tensor.stride()=}"
         )
 
 
@@ -69,11 +60,6 @@ def check_spmd_param(param, name: str, spmd_mesh: DeviceMesh, dims) -> None:
                     f"Expected Replicate() on DP {kind} dim '{dim_name}' (index {index}) "
                     f"but got {param.placements[index]}"
                 )
-    if not param._local_tensor.is_contiguous():
-        raise NotImplementedError(
-            "FSDP does not support non-contiguous parameters yet: "
-            f"{param._local_tensor.shape=} {param._local_tensor.stride()=}"
-        )
 
 
 def dp_dim_indices(spmd_mesh: DeviceMesh, dims) -> tuple:

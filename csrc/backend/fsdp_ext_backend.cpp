@@ -155,7 +155,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   TORCH_CHECK_VALUE(size >= 1 && size < comm::tag::kMaxRanks, init_label.prefix(),
                     "group size ", size, " is out of range");
   const BackendEnvironment environment = read_environment(init_label.prefix());
-  std::string no_shared_memory, no_process_reads;
+  std::string no_shared_memory, no_process_reads, unwatched_peers;
   size_t hosts = 0;
   // [0]: every peer's shared memory maps; [1]: process_vm_readv works too.
   auto shared_ok = std::make_shared<std::array<int32_t, 2>>();
@@ -164,9 +164,10 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     auto transport = std::make_unique<comm::Transport>(rank, size);
     pool_ = std::make_shared<comm::SharedBufferPool>(transport->context());
     shared_memory_ = std::make_shared<comm::SharedMemoryDomain>(pool_);
+    comm::PeerLiveness liveness;
     PeerIdentity mine{transport->worker_address(), this_host(), getpid(),
                       shared_memory_->probe_piece(),
-                      reinterpret_cast<uint64_t>(&kProcessReadProbeValue)};
+                      reinterpret_cast<uint64_t>(&kProcessReadProbeValue), liveness.endpoint()};
     std::vector<PeerIdentity> peers;
     std::vector<std::vector<uint8_t>> addresses;
     for (const auto& blob : exchange_addresses(*store, rank, size, serialize(mine))) {
@@ -185,13 +186,32 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     hosts = distinct_hosts(peers);
     (*shared_ok)[0] = no_shared_memory.empty() ? 1 : 0;
     (*shared_ok)[1] = (*shared_ok)[0] && no_process_reads.empty() ? 1 : 0;
+    // Peers on other hosts are watched through an idle TCP connection each;
+    // one that cannot be reached is not watched (its loss then surfaces at
+    // the op's timeout), which the group's log line says.
+    std::vector<std::string> endpoints;
+    std::vector<bool> remote;
+    for (const PeerIdentity& peer : peers) {
+      endpoints.push_back(peer.liveness_endpoint);
+      remote.push_back(peer.host != peers[rank].host);
+    }
+    liveness.connect(rank, endpoints, remote,
+                     std::min(default_timeout_, std::chrono::milliseconds(10000)));
+    for (int peer : liveness.missing()) unwatched_peers += " " + std::to_string(peer);
     comm::EngineConfig config;
     config.rank = rank;
     config.size = size;
     config.group_name = group_name_;
     config.spin = environment.spin;
     config.shared_memory = shared_memory_;
-    engine_ = std::make_unique<comm::ProgressEngine>(config, std::move(transport));
+    config.liveness = liveness.take_connections();
+    for (const PeerIdentity& peer : peers) {
+      // Same host (hostname and boot id): the pid names the peer's process
+      // here too, so the engine can watch it exit through a pidfd.
+      config.peers.push_back(comm::PeerInfo{peer.host.substr(0, peer.host.find('/')), peer.pid,
+                                            peer.host == peers[rank].host});
+    }
+    engine_ = std::make_unique<comm::ProgressEngine>(std::move(config), std::move(transport));
   } catch (const comm::CommError& error) {
     C10_THROW_ERROR(DistBackendError, init_label.prefix() + error.what());
   } catch (const std::runtime_error& error) {
@@ -220,7 +240,9 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   LOG(INFO) << "fsdp_ext group '" << group_name_ << "': rank " << rank << "/" << size << ", "
             << hosts << (hosts == 1 ? " host" : " hosts") << ", shared memory "
             << state((*shared_ok)[0] == 1, no_shared_memory) << ", process reads "
-            << state((*shared_ok)[1] == 1, no_process_reads);
+            << state((*shared_ok)[1] == 1, no_process_reads)
+            << (unwatched_peers.empty() ? ""
+                                        : ", not watched for loss (unreachable):" + unwatched_peers);
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry().push_back(this);
 }

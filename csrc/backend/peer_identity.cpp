@@ -63,6 +63,8 @@ std::vector<uint8_t> serialize(const PeerIdentity& identity) {
   put<int32_t>(out, identity.pid);
   put(out, identity.probe);
   put(out, identity.probe_address);
+  put<uint32_t>(out, static_cast<uint32_t>(identity.liveness_endpoint.size()));
+  put_bytes(out, identity.liveness_endpoint.data(), identity.liveness_endpoint.size());
   return out;
 }
 
@@ -76,6 +78,8 @@ PeerIdentity deserialize_peer_identity(const std::vector<uint8_t>& blob) {
   identity.pid = reader.get<int32_t>();
   identity.probe = reader.get<comm::SharedPiece>();
   identity.probe_address = reader.get<uint64_t>();
+  identity.liveness_endpoint.resize(reader.get<uint32_t>());
+  reader.get_bytes(identity.liveness_endpoint.data(), identity.liveness_endpoint.size());
   return identity;
 }
 

@@ -21,6 +21,8 @@ struct PeerIdentity {
   // Address of a known value in this process, for peers to test
   // process_vm_readv on.
   uint64_t probe_address = 0;
+  // Where peers on other hosts connect to watch this rank (peer_liveness.h).
+  std::string liveness_endpoint;
 };
 
 // The value at PeerIdentity::probe_address.

@@ -11,6 +11,7 @@ const char* error_kind_name(ErrorKind kind) {
     case ErrorKind::kMismatch: return "size mismatch between ranks";
     case ErrorKind::kAborted: return "aborted";
     case ErrorKind::kBroken: return "group broken";
+    case ErrorKind::kPeerLost: return "peer lost";
   }
   return "unknown";
 }

@@ -16,6 +16,7 @@ enum class ErrorKind {
   kMismatch,   // ranks disagreed on sizes: a peer sent a different byte count
   kAborted,    // the group was aborted or shut down with the op pending
   kBroken,     // an earlier failure left the group unusable
+  kPeerLost,   // a peer process exited or its connection failed
 };
 
 const char* error_kind_name(ErrorKind kind);

@@ -59,11 +59,11 @@ Request OpContext::recv_user(int peer, int user_tag, void* data, size_t bytes) {
 }
 
 void OpContext::wait_all(std::vector<Request>& requests) {
-  engine_.wait_for(*this, requests, kAllRequests);
+  engine_.wait_for(description_, deadline_, timeout_, requests, kAllRequests);
 }
 
 void OpContext::wait_one(std::vector<Request>& requests, size_t index) {
-  engine_.wait_for(*this, requests, index);
+  engine_.wait_for(description_, deadline_, timeout_, requests, index);
 }
 
 void* OpContext::scratch(size_t bytes) { return scratch_.allocate(bytes); }

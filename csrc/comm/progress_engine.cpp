@@ -1,65 +1,45 @@
 #include "comm/progress_engine.h"
 
-#include "comm/tag_scheme.h"
-
 #include <sched.h>
-#include <sys/epoll.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
+
+#include "comm/tag_scheme.h"
 
 namespace fsdp_ext::comm {
 namespace {
 
+// Longest sleep without a deadline: bounds how late a missed wake-up is noticed.
 constexpr auto kMaxSleep = std::chrono::milliseconds(100);
+// While sends are pending (which UCX never announces, see engine_wakeup.h)
+// the engine sleeps this long at first, doubling up to kSendSliceMax: short
+// enough to keep a TCP link busy, long enough to leave the core to others.
+constexpr auto kSendSliceMin = std::chrono::microseconds(20);
+constexpr auto kSendSliceMax = std::chrono::microseconds(1000);
 
-int make_event_fd() {
-  const int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (fd < 0) {
-    throw CommError(ErrorKind::kTransport,
-                    std::string("eventfd failed: ") + std::strerror(errno));
-  }
-  return fd;
-}
+// After a peer is lost: how long nothing may move before the wait gives up,
+// and the most time spent draining.
+constexpr auto kLossQuiet = std::chrono::milliseconds(50);
+constexpr auto kLossDrainMax = std::chrono::milliseconds(1000);
 
-int make_epoll(std::initializer_list<int> fds) {
-  const int epoll_fd = epoll_create1(EPOLL_CLOEXEC);
-  if (epoll_fd < 0) {
-    throw CommError(ErrorKind::kTransport,
-                    std::string("epoll_create1 failed: ") + std::strerror(errno));
-  }
-  for (int fd : fds) {
-    epoll_event event{};
-    event.events = EPOLLIN;
-    event.data.fd = fd;
-    if (epoll_ctl(epoll_fd, EPOLL_CTL_ADD, fd, &event) != 0) {
-      const int saved = errno;
-      close(epoll_fd);
-      throw CommError(ErrorKind::kTransport,
-                      std::string("epoll_ctl failed: ") + std::strerror(saved));
-    }
-  }
-  return epoll_fd;
-}
-
-void signal_event_fd(int fd) {
-  const uint64_t one = 1;
-  ssize_t ignored = write(fd, &one, sizeof(one));
-  (void)ignored;
-}
-
-void drain_event_fd(int fd) {
-  uint64_t value;
-  while (read(fd, &value, sizeof(value)) > 0) {
+template <typename Finished>
+bool drain_after_loss(Transport& transport, Finished&& finished) {
+  const auto start = Clock::now();
+  auto last_progress = start;
+  for (;;) {
+    const auto now = Clock::now();
+    if (transport.progress() > 0) last_progress = now;
+    if (finished()) return true;
+    if (now - last_progress > kLossQuiet || now - start > kLossDrainMax) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
 }
 
-void close_fd(int& fd) {
-  if (fd >= 0) close(fd);
-  fd = -1;
+bool any_send_pending(const std::vector<Request>& requests) {
+  for (const Request& request : requests) {
+    if (!request.finished && !request.is_recv) return true;
+  }
+  return false;
 }
 
 }  // namespace
@@ -67,22 +47,22 @@ void close_fd(int& fd) {
 ProgressEngine::ProgressEngine(EngineConfig config, std::unique_ptr<Transport> transport)
     : config_(std::move(config)),
       transport_(std::move(transport)),
-      scratch_(std::make_unique<ScratchArena>()) {
-  submit_event_fd_ = make_event_fd();
-  abort_event_fd_ = make_event_fd();
-  idle_epoll_fd_ =
-      make_epoll({transport_->event_fd(), submit_event_fd_, abort_event_fd_});
-  wait_epoll_fd_ = make_epoll({transport_->event_fd(), abort_event_fd_});
+      scratch_(std::make_unique<ScratchArena>()),
+      wakeup_(std::make_unique<EngineWakeup>(transport_->event_fd())) {
+  for (int peer = 0; peer < static_cast<int>(config_.peers.size()); ++peer) {
+    const PeerInfo& info = config_.peers[peer];
+    if (peer != config_.rank && info.same_host && info.pid > 0) {
+      wakeup_->watch_process(peer, info.pid);
+    }
+  }
+  for (PeerLiveness::Connection& connection : config_.liveness) {
+    wakeup_->watch_socket(connection.rank, std::move(connection.socket));
+  }
+  config_.liveness.clear();
   thread_ = std::thread([this] { thread_main(); });
 }
 
-ProgressEngine::~ProgressEngine() {
-  shutdown();
-  close_fd(idle_epoll_fd_);
-  close_fd(wait_epoll_fd_);
-  close_fd(submit_event_fd_);
-  close_fd(abort_event_fd_);
-}
+ProgressEngine::~ProgressEngine() { shutdown(); }
 
 void ProgressEngine::submit(EngineOp op) {
   bool refused = false;
@@ -100,7 +80,7 @@ void ProgressEngine::submit(EngineOp op) {
     finish(op, outcome);
     return;
   }
-  signal_event_fd(submit_event_fd_);
+  wakeup_->notify_submitted();
 }
 
 void ProgressEngine::shutdown() {
@@ -110,7 +90,7 @@ void ProgressEngine::shutdown() {
     shut_down_ = true;
     stop_requested_ = true;
   }
-  signal_event_fd(submit_event_fd_);
+  wakeup_->notify_submitted();
   if (thread_.joinable()) thread_.join();
   // Force-close anything orphaned by a failure before the worker goes away.
   transport_->close_endpoints(std::chrono::milliseconds(1000));
@@ -131,7 +111,7 @@ void ProgressEngine::abort(const std::string& reason) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!aborting_.exchange(true)) abort_reason_ = reason;
   }
-  signal_event_fd(abort_event_fd_);
+  wakeup_->notify_abort();
   shutdown();
 }
 
@@ -143,6 +123,22 @@ std::string ProgressEngine::broken_reason() const {
 void ProgressEngine::mark_broken(const std::string& reason) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (broken_reason_.empty()) broken_reason_ = reason;
+}
+
+EngineActivity ProgressEngine::activity() const {
+  std::lock_guard<std::mutex> lock(activity_mutex_);
+  return activity_;
+}
+
+std::string ProgressEngine::describe_peer(int rank) const {
+  std::string text = "rank " + std::to_string(rank);
+  if (rank < 0 || rank >= static_cast<int>(config_.peers.size())) return text;
+  const PeerInfo& info = config_.peers[rank];
+  if (info.host.empty() && info.pid == 0) return text;
+  text += " (";
+  if (!info.host.empty()) text += "host " + info.host;
+  if (info.pid > 0) text += std::string(info.host.empty() ? "" : ", ") + "pid " + std::to_string(info.pid);
+  return text + ")";
 }
 
 std::string ProgressEngine::describe(const EngineOp& op, uint64_t seq) const {
@@ -162,8 +158,41 @@ void ProgressEngine::finish(EngineOp& op, const OpOutcome& outcome) {
   op.on_done = nullptr;
 }
 
+const std::string& ProgressEngine::check_peers() {
+  std::vector<std::string> losses;
+  for (const EngineWakeup::LostPeer& lost : wakeup_->take_lost_peers()) {
+    losses.push_back(describe_peer(lost.rank) + " " + lost.how);
+  }
+  if (!losses.empty() && peer_lost_.empty()) {
+    peer_lost_ = losses.front();
+    for (size_t i = 1; i < losses.size(); ++i) peer_lost_ += "; " + losses[i];
+    mark_broken(peer_lost_);
+  }
+  return peer_lost_;
+}
+
+ProgressEngine::IdleState ProgressEngine::fresh_idle_state() const {
+  return IdleState{Clock::now() + config_.spin, kSendSliceMin};
+}
+
+void ProgressEngine::idle_wait(IdleState& state, Clock::time_point until, bool in_op,
+                               bool sends_pending) {
+  const auto now = Clock::now();
+  if (now < state.spin_until) {
+    sched_yield();
+    return;
+  }
+  // Busy: UCX has events queued that arming would lose; progress instead.
+  if (!transport_->arm()) return;
+  if (sends_pending) {
+    until = std::min(until, now + state.send_slice);
+    state.send_slice = std::min(state.send_slice * 2, kSendSliceMax);
+  }
+  wakeup_->sleep(std::min(until, now + kMaxSleep), /*wake_on_submit=*/!in_op);
+}
+
 void ProgressEngine::thread_main() {
-  auto spin_until = Clock::now() + config_.spin;
+  IdleState idle = fresh_idle_state();
   for (;;) {
     EngineOp op;
     bool have_op = false;
@@ -179,7 +208,7 @@ void ProgressEngine::thread_main() {
     }
     if (have_op) {
       run_op(op);
-      spin_until = Clock::now() + config_.spin;
+      idle = fresh_idle_state();
       continue;
     }
     if (stopping) {
@@ -188,20 +217,18 @@ void ProgressEngine::thread_main() {
       return;
     }
     const unsigned progressed = transport_->progress();
+    check_peers();
     const bool completed = poll_in_flight(false);
-    const auto now = Clock::now();
     if (progressed > 0 || completed) {
-      spin_until = now + config_.spin;
+      idle = fresh_idle_state();
       continue;
     }
-    if (now < spin_until) {
-      sched_yield();
-      continue;
+    bool sends_pending = false;
+    for (const InFlight& entry : in_flight_) {
+      sends_pending = sends_pending || any_send_pending(entry.requests);
     }
-    if (!transport_->arm()) continue;
-    sleep_on(idle_epoll_fd_, nearest_deadline());
-    drain_event_fd(submit_event_fd_);
-    spin_until = Clock::now() + config_.spin;
+    idle_wait(idle, nearest_deadline(), /*in_op=*/false, sends_pending);
+    wakeup_->drain_submitted();
   }
 }
 
@@ -218,10 +245,19 @@ void ProgressEngine::run_op(EngineOp& op) {
   }
   const std::string broken = broken_reason();
   if (!broken.empty()) {
-    failure.kind = ErrorKind::kBroken;
+    failure.kind = peer_lost_.empty() ? ErrorKind::kBroken : ErrorKind::kPeerLost;
     failure.message = description +
                       ": the group is unusable after an earlier failure: " + broken;
     return finish(op, failure);
+  }
+  {
+    std::lock_guard<std::mutex> lock(activity_mutex_);
+    ++activity_.ops_started;
+    if (op.collective) {
+      activity_.in_collective = true;
+      activity_.seq = seq;
+      activity_.op = op.name;
+    }
   }
   scratch_->reset();
   const auto deadline = Clock::now() + op.timeout;
@@ -238,6 +274,10 @@ void ProgressEngine::run_op(EngineOp& op) {
     failure.message = description + ": " + error.what();
   }
   running_ = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(activity_mutex_);
+    activity_.in_collective = false;
+  }
   if (!failure.message.empty()) {
     // Peers may still be inside this op: later tags would no longer line up.
     if (op.collective) mark_broken(failure.message);
@@ -275,18 +315,21 @@ bool ProgressEngine::poll_in_flight(bool cancel_all) {
         outcome.kind = error.kind();
         outcome.message = error.what();
       }
-    } else if (cancel_all || aborting_ || now >= entry.deadline) {
+    } else if (cancel_all || aborting_ || !peer_lost_.empty() || now >= entry.deadline) {
       outcome.ok = false;
-      if (now >= entry.deadline && !cancel_all && !aborting_) {
-        outcome.kind = ErrorKind::kTimeout;
-        outcome.message = entry.description + ": timed out after " +
-                          std::to_string(entry.op.timeout.count()) +
-                          " ms waiting for the peer";
-      } else {
+      if (cancel_all || aborting_) {
         outcome.kind = ErrorKind::kAborted;
         outcome.message = entry.description +
                           ": the process group was shut down or aborted with this "
                           "operation pending";
+      } else if (!peer_lost_.empty()) {
+        outcome.kind = ErrorKind::kPeerLost;
+        outcome.message = entry.description + ": " + peer_lost_;
+      } else {
+        outcome.kind = ErrorKind::kTimeout;
+        outcome.message = entry.description + ": timed out after " +
+                          std::to_string(entry.op.timeout.count()) +
+                          " ms waiting for the peer";
       }
       orphan_unfinished(entry.requests, entry.op.keepalive, false);
     } else {
@@ -305,16 +348,6 @@ Clock::time_point ProgressEngine::nearest_deadline() const {
   auto wake_by = Clock::now() + kMaxSleep;
   for (const InFlight& entry : in_flight_) wake_by = std::min(wake_by, entry.deadline);
   return wake_by;
-}
-
-void ProgressEngine::sleep_on(int epoll_fd, Clock::time_point wake_by) {
-  const auto now = Clock::now();
-  const auto remaining =
-      std::chrono::duration_cast<std::chrono::milliseconds>(wake_by - now);
-  const int timeout_ms =
-      static_cast<int>(std::clamp<int64_t>(remaining.count() + 1, 0, kMaxSleep.count()));
-  epoll_event events[3];
-  epoll_wait(epoll_fd, events, 3, timeout_ms);
 }
 
 void ProgressEngine::orphan_unfinished(std::vector<Request>& requests,
@@ -343,78 +376,76 @@ void ProgressEngine::orphan_unfinished(std::vector<Request>& requests,
   orphans_.push_back(std::move(orphan));
 }
 
-void ProgressEngine::wait_for(OpContext& context, std::vector<Request>& requests,
-                              size_t only) {
-  auto spin_until = Clock::now() + config_.spin;
+void ProgressEngine::wait_for(const std::string& description, Clock::time_point deadline,
+                              std::chrono::milliseconds timeout,
+                              std::vector<Request>& requests, size_t only) {
+  auto finished = [&] {
+    if (only != kAllRequests) return transport_->test(requests[only]);
+    bool all_done = true;
+    for (Request& request : requests) {
+      if (!transport_->test(request)) all_done = false;
+    }
+    return all_done;
+  };
+  auto fail = [&](ErrorKind kind, const std::string& message) {
+    orphan_unfinished(requests, running_ ? running_->keepalive : nullptr, true);
+    throw CommError(kind, message);
+  };
+  IdleState idle = fresh_idle_state();
   for (;;) {
     const unsigned progressed = transport_->progress();
-    bool all_done = true;
-    if (only == kAllRequests) {
-      for (Request& request : requests) {
-        if (!transport_->test(request)) all_done = false;
-      }
-    } else {
-      all_done = transport_->test(requests[only]);
-    }
-    if (all_done) break;
+    if (finished()) break;
     // A request that already failed dooms the op: report it now rather than
     // waiting for the deadline on the others.
     for (Request& request : requests) {
       if (request.finished && request.status != UCS_OK) {
         Request failed = request;
         orphan_unfinished(requests, running_ ? running_->keepalive : nullptr, true);
-        check_finished_request(failed, context.description());
+        if (!check_peers().empty()) throw CommError(ErrorKind::kPeerLost, description + ": " + peer_lost_);
+        check_finished_request(failed, description);
       }
     }
+    if (!check_peers().empty()) {
+      // What the lost peer sent before it went may still be on its way (its
+      // liveness connection can close before its last data is read here):
+      // keep progressing until nothing has moved for kLossQuiet.
+      if (drain_after_loss(*transport_, finished)) break;
+      fail(ErrorKind::kPeerLost, description + ": " + peer_lost_);
+    }
     const auto now = Clock::now();
-    std::string failure;
-    ErrorKind kind = ErrorKind::kTimeout;
-    if (aborting_) {
-      kind = ErrorKind::kAborted;
-      failure = context.description() + ": aborted (" + abort_reason_ + ")";
-    } else if (now >= context.deadline()) {
+    if (aborting_) fail(ErrorKind::kAborted, description + ": aborted (" + abort_reason_ + ")");
+    if (now >= deadline) {
       std::string waiting_on;
       for (const Request& request : requests) {
         if (request.finished) continue;
         waiting_on += waiting_on.empty() ? "" : ", ";
-        waiting_on += (request.is_recv ? "receive from rank " : "send to rank ") +
-                      std::to_string(request.peer) + " (step " +
-                      std::to_string(request.step) + ", " +
+        waiting_on += (request.is_recv ? "receive from " : "send to ") +
+                      (request.peer < 0 ? std::string("any rank") : describe_peer(request.peer)) +
+                      " (step " + std::to_string(request.step) + ", " +
                       std::to_string(request.bytes) + " bytes)";
       }
-      failure = context.description() + ": timed out after " +
-                std::to_string(context.timeout().count()) +
-                " ms; still waiting for " + waiting_on +
-                ". A peer did not reach this collective (set the timeout with "
-                "init_process_group(timeout=...)).";
-    }
-    if (!failure.empty()) {
-      orphan_unfinished(requests, running_ ? running_->keepalive : nullptr, true);
-      throw CommError(kind, failure);
+      fail(ErrorKind::kTimeout,
+           description + ": timed out after " + std::to_string(timeout.count()) +
+               " ms; still waiting for " + waiting_on +
+               ". A peer did not reach this collective (set the timeout with "
+               "init_process_group(timeout=...)).");
     }
     if (progressed > 0) {
-      spin_until = now + config_.spin;
+      idle = fresh_idle_state();
       continue;
     }
     // Point-to-point ops posted earlier complete while a collective waits.
     if (poll_in_flight(false)) continue;
-    if (now < spin_until) {
-      sched_yield();
-      continue;
-    }
-    if (!transport_->arm()) continue;
-    sleep_on(wait_epoll_fd_, std::min(context.deadline(), now + kMaxSleep));
+    idle_wait(idle, deadline, /*in_op=*/true, any_send_pending(requests));
   }
   if (only != kAllRequests) {
     const Request& done = requests[only];
     const bool failed = done.status != UCS_OK || (done.is_recv && done.received != done.bytes);
     if (failed) orphan_unfinished(requests, running_ ? running_->keepalive : nullptr, true);
-    check_finished_request(done, context.description());
+    check_finished_request(done, description);
     return;
   }
-  for (const Request& request : requests) {
-    check_finished_request(request, context.description());
-  }
+  for (const Request& request : requests) check_finished_request(request, description);
 }
 
 }  // namespace fsdp_ext::comm

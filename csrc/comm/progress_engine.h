@@ -5,6 +5,16 @@
 // Ordering: collectives run one at a time, in submission order, each to
 // completion. Point-to-point ops are posted in order and then complete in the
 // background, so `isend; irecv` pairs between two ranks cannot deadlock.
+//
+// Waiting has one owner: the engine. Algorithms call OpContext::wait_all /
+// wait_one, which hand the requests, the op's deadline and its description
+// to wait_for; idle sleeping and waiting inside an op share idle_wait, and
+// EngineWakeup is the only code that blocks.
+//
+// Dead peers: a peer process on this host is watched through a pidfd, and
+// every endpoint uses UCX's peer error handling. Either way the loss becomes
+// a kPeerLost error for the op waiting on the group (after draining what the
+// peer already delivered), and the group refuses further work.
 #pragma once
 
 #include <atomic>
@@ -17,8 +27,10 @@
 #include <thread>
 #include <vector>
 
+#include "comm/engine_wakeup.h"
 #include "comm/error.h"
 #include "comm/op_context.h"
+#include "comm/peer_liveness.h"
 #include "comm/scratch_arena.h"
 #include "comm/transport.h"
 
@@ -46,10 +58,29 @@ struct EngineOp {
   std::shared_ptr<void> keepalive;
 };
 
+// Who a peer is, for error messages and dead-peer detection.
+struct PeerInfo {
+  std::string host;   // empty when unknown
+  int pid = 0;        // 0 when unknown
+  bool same_host = false;
+};
+
+// What this rank is doing, for other ranks' timeout messages.
+struct EngineActivity {
+  bool in_collective = false;
+  uint64_t seq = 0;           // the running collective, or the last one begun
+  std::string op;             // its name
+  uint64_t ops_started = 0;   // every op begun so far (collectives and p2p)
+};
+
 struct EngineConfig {
   int rank = 0;
   int size = 1;
   std::string group_name;
+  // One entry per rank (or empty): named in errors, same-host ones watched.
+  std::vector<PeerInfo> peers;
+  // Connections to peers on other hosts, watched for their end.
+  std::vector<PeerLiveness::Connection> liveness;
   // How long to keep polling after the last sign of progress before sleeping
   // on the wakeup fd. Short spins keep latency low; sleeping keeps 4 ranks
   // on 2 cores from starving each other.
@@ -83,10 +114,17 @@ class ProgressEngine {
   uint64_t ops_run() const { return ops_run_.load(std::memory_order_relaxed); }
   uint64_t sequences_used() const { return next_seq_.load(std::memory_order_relaxed) - 1; }
 
-  // Called by OpContext::wait_all on the progress thread.
+  // A snapshot of what this rank is doing (any thread).
+  EngineActivity activity() const;
+  // "rank 3 (host h, pid 12)": how errors name a peer.
+  std::string describe_peer(int rank) const;
 
-  // `only`: index of the one request to wait for, or kAllRequests.
-  void wait_for(OpContext& context, std::vector<Request>& requests, size_t only);
+  // Progress thread only (OpContext::wait_all / wait_one): progresses and
+  // sleeps until the requests finish (`only`: one index, or kAllRequests).
+  // Throws CommError on failure, timeout, abort or a lost peer.
+  void wait_for(const std::string& description, Clock::time_point deadline,
+                std::chrono::milliseconds timeout, std::vector<Request>& requests,
+                size_t only);
 
  private:
   struct InFlight {
@@ -108,7 +146,17 @@ class ProgressEngine {
   void orphan_unfinished(std::vector<Request>& requests,
                          std::shared_ptr<void> keepalive, bool scratch_in_use);
   void mark_broken(const std::string& reason);
-  void sleep_on(int epoll_fd, Clock::time_point wake_by);
+  // Sleep policy while nothing progresses: spin briefly, then arm the
+  // worker and sleep until `until` (in short slices while sends are pending).
+  struct IdleState {
+    Clock::time_point spin_until;
+    std::chrono::microseconds send_slice;
+  };
+  IdleState fresh_idle_state() const;
+  void idle_wait(IdleState& state, Clock::time_point until, bool in_op, bool sends_pending);
+  // Collects peers that exited or whose endpoint failed; returns the message
+  // describing the first loss ("" while every peer is alive).
+  const std::string& check_peers();
   Clock::time_point nearest_deadline() const;
   std::string describe(const EngineOp& op, uint64_t seq) const;
 
@@ -124,17 +172,18 @@ class ProgressEngine {
   std::string abort_reason_;
   bool shut_down_ = false;
 
+  mutable std::mutex activity_mutex_;
+  EngineActivity activity_;
+
   // Only touched on the progress thread.
+  std::string peer_lost_;  // set once, by check_peers
   std::atomic<uint64_t> next_seq_{1};
   std::atomic<uint64_t> ops_run_{0};
   std::vector<InFlight> in_flight_;
   std::vector<Orphan> orphans_;
   EngineOp* running_ = nullptr;
 
-  int submit_event_fd_ = -1;  // written by submit(): new work queued
-  int abort_event_fd_ = -1;   // written by abort(): interrupt any wait
-  int idle_epoll_fd_ = -1;    // worker fd + submit fd + abort fd
-  int wait_epoll_fd_ = -1;    // worker fd + abort fd
+  std::unique_ptr<EngineWakeup> wakeup_;
   std::thread thread_;
 };
 

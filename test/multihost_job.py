@@ -1,0 +1,247 @@
+"""The job test_multihost.py runs with torchrun on two emulated hosts.
+
+One process per rank; what it checks or measures is chosen by --mode, and
+every rank reports one JSON record (report()), which the test reads back.
+
+  collectives  every collective family at awkward sizes, against values
+               computed locally (fsdp_ext), plus a gloo all_reduce cross-check
+  train        a few steps of our fully_shard and upstream's, over fsdp_ext
+               and gloo: each rank reports the losses
+  kill         --victim SIGKILLs itself mid-step; survivors report the error
+               and how long it took
+  link         all ranks enter an all_reduce that --victim's host never joins;
+               the test takes that host's link down and survivors report
+"""
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import torch_fsdp_ext  # noqa: F401  (registers the backend)
+
+SIZES = [0, 1, 3, 8191]
+
+
+def report(rank, **fields):
+    """One JSON record per rank, in $RESULT_DIR/<rank>.json (shared by both
+    hosts: same file system), and on stdout for the reader of a failure."""
+    text = json.dumps(fields)
+    print(f"RESULT {rank} {text}", flush=True)
+    path = os.path.join(os.environ["RESULT_DIR"], f"{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def check_collectives(rank, world):
+    def expect(name, got, want):
+        if not torch.equal(got, want):
+            raise AssertionError(f"{name}: rank {rank} got {got.tolist()[:8]}..., "
+                                 f"expected {want.tolist()[:8]}...")
+
+    checked = 0
+    for n in SIZES:
+        for dtype in (torch.float32, torch.int64, torch.bfloat16):
+            # Small integers: exact in bfloat16 whatever the summation order.
+            base = (torch.arange(n) % 16).to(dtype)
+            # all_gather_into_tensor / all_gather (uneven: rank r has n + r)
+            out = torch.empty(n * world, dtype=dtype)
+            dist.all_gather_into_tensor(out, base + rank)
+            expect("all_gather_into_tensor", out,
+                   torch.cat([base + r for r in range(world)]))
+            parts = [torch.empty(n + r, dtype=dtype) for r in range(world)]
+            dist.all_gather(parts, torch.full((n + rank,), rank, dtype=dtype))
+            for r in range(world):
+                expect("all_gather", parts[r], torch.full((n + r,), r, dtype=dtype))
+            # reduce_scatter_tensor, all_reduce (SUM and MAX), reduce
+            full = torch.cat([base + r * 2 for r in range(world)]) + rank
+            shard = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter_tensor(shard, full)
+            expect("reduce_scatter_tensor", shard,
+                   (base + rank * 2) * world + sum(range(world)))
+            summed = base + rank
+            dist.all_reduce(summed)
+            expect("all_reduce", summed, base * world + sum(range(world)))
+            biggest = base + rank
+            dist.all_reduce(biggest, op=dist.ReduceOp.MAX)
+            expect("all_reduce max", biggest, base + world - 1)
+            reduced = base + rank
+            dist.reduce(reduced, dst=world - 1)
+            if rank == world - 1:
+                expect("reduce", reduced, base * world + sum(range(world)))
+            # broadcast from the last rank (on the other host than rank 0)
+            sent = base + 100 if rank == world - 1 else torch.zeros(n, dtype=dtype)
+            dist.broadcast(sent, src=world - 1)
+            expect("broadcast", sent, base + 100)
+            checked += 7
+        # all_to_all_single, gather / scatter, point to point
+        chunks = torch.arange(world * n, dtype=torch.float32) + 1000 * rank
+        received = torch.empty(world * n)
+        dist.all_to_all_single(received, chunks)
+        expect("all_to_all_single", received,
+               torch.cat([torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32) + 1000 * r
+                          for r in range(world)]))
+        gathered = [torch.empty(n) for _ in range(world)] if rank == 0 else None
+        dist.gather(torch.full((n,), float(rank)), gathered, dst=0)
+        if rank == 0:
+            for r in range(world):
+                expect("gather", gathered[r], torch.full((n,), float(r)))
+        scattered = torch.empty(n)
+        dist.scatter(scattered, [torch.full((n,), float(r)) for r in range(world)]
+                     if rank == 0 else None, src=0)
+        expect("scatter", scattered, torch.full((n,), float(rank)))
+        ring = torch.full((n,), float(rank))
+        incoming = torch.empty(n)
+        ops = [dist.P2POp(dist.isend, ring, (rank + 1) % world),
+               dist.P2POp(dist.irecv, incoming, (rank - 1) % world)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        expect("send/recv ring", incoming, torch.full((n,), float((rank - 1) % world)))
+        checked += 4
+    # Bucketed (coalesced) collectives, as FSDP issues them.
+    tensors = [torch.full((n,), float(rank)) for n in SIZES]
+    with dist._coalescing_manager(async_ops=True) as manager:
+        for t in tensors:
+            dist.all_reduce(t)
+    manager.wait()
+    for t in tensors:
+        expect("coalesced all_reduce", t, torch.full_like(t, float(sum(range(world)))))
+    dist.barrier()
+    # The same all_reduce over gloo, as a cross-check of the setup itself.
+    gloo = dist.new_group(backend="gloo")
+    x = torch.arange(8191, dtype=torch.float64) + rank
+    y = x.clone()
+    dist.all_reduce(x)
+    dist.all_reduce(y, group=gloo)
+    expect("fsdp_ext vs gloo all_reduce", x, y)
+    report(rank, checked=checked + 2, host=socket.gethostname())
+
+
+def train(rank, world, steps):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from torch.distributed.fsdp import fully_shard as upstream_fully_shard
+
+    from torch_fsdp_ext import fully_shard as our_fully_shard
+
+    losses = {}
+    gloo = dist.new_group(backend="gloo")
+    for backend, group in (("fsdp_ext", None), ("gloo", gloo)):
+        mesh = torch.distributed.device_mesh.DeviceMesh.from_group(
+            group or dist.group.WORLD, "cpu")
+        for name, shard in (("ours", our_fully_shard), ("upstream", upstream_fully_shard)):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32),
+                                                              torch.nn.ReLU())
+                                          for _ in range(3)], torch.nn.Linear(32, 4))
+            for block in model:
+                shard(block, mesh=mesh)
+            shard(model, mesh=mesh)
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            generator = torch.Generator().manual_seed(1 + rank)
+            run = []
+            for _ in range(steps):
+                x = torch.randn(8, 32, generator=generator)
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                optim.step()
+                optim.zero_grad()
+                total = loss.detach().clone()
+                dist.all_reduce(total, group=gloo)
+                run.append(total.item())
+            losses[f"{name}/{backend}"] = run
+    report(rank, losses=losses)
+
+
+def kill(rank, world, victim, marker):
+    # torchrun's agent SIGTERMs the victim's host-mates as soon as it sees
+    # the victim die; they ignore that to report what the backend told them.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    x = torch.ones(4096)
+    for _ in range(3):
+        dist.all_reduce(x)
+    dist.barrier()
+    if rank == victim:
+        # Dies while the others already wait in the next all_reduce; says
+        # when, so survivors can tell how long noticing took (one clock:
+        # both hosts are namespaces of one machine).
+        time.sleep(0.5)
+        with open(marker, "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        dist.all_reduce(x)
+        report(rank, error=None)
+    except Exception as error:  # noqa: BLE001  (reported to the test)
+        now, elapsed = time.time(), time.monotonic() - started
+        with open(marker) as f:
+            death = float(f.read())
+        try:
+            dist.all_reduce(x)
+            refused = None
+        except Exception as again:  # noqa: BLE001
+            refused = str(again)
+        report(rank, error=str(error), type=type(error).__name__, seconds=elapsed,
+               noticed_after=now - death, refused=refused)
+
+
+def link(rank, world, victim, marker):
+    victim_host = int(os.environ["GROUP_RANK"]) if rank == victim else None
+    x = torch.ones(4096)
+    dist.all_reduce(x)
+    dist.barrier()
+    on_victim_host = dist.get_rank() // int(os.environ["LOCAL_WORLD_SIZE"]) == \
+        victim // int(os.environ["LOCAL_WORLD_SIZE"])
+    if rank == 0:
+        with open(marker, "w") as f:
+            f.write("ready")
+    if on_victim_host and victim_host is not None:
+        # Never joins: the test takes this host's link down meanwhile.
+        time.sleep(20)
+    started = time.monotonic()
+    try:
+        dist.all_reduce(x)
+        report(rank, error=None)
+    except Exception as error:  # noqa: BLE001
+        report(rank, error=str(error), type=type(error).__name__,
+               seconds=time.monotonic() - started)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", required=True,
+                        choices=["collectives", "train", "kill", "link"])
+    parser.add_argument("--victim", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--marker", default="")
+    parser.add_argument("--timeout", type=float, default=60)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("fsdp_ext", timeout=datetime.timedelta(seconds=args.timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.mode == "collectives":
+        check_collectives(rank, world)
+    elif args.mode == "train":
+        train(rank, world, args.steps)
+    elif args.mode == "kill":
+        kill(rank, world, args.victim, args.marker)
+    else:
+        link(rank, world, args.victim, args.marker)
+    sys.stdout.flush()
+    # Survivors of a failure leave at once: no destroy_process_group on a
+    # broken group, no exit barrier with a dead peer.
+    if args.mode in ("kill", "link"):
+        os._exit(0)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

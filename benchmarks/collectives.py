@@ -1,6 +1,14 @@
 """Collective latency and bandwidth: fsdp_ext against gloo in the same run.
 
     python benchmarks/collectives.py [--world-sizes 2 4] [--max-bytes 64M] [--repeats 5]
+    python benchmarks/collectives.py --hosts 2 [--ranks-per-host 1 2] [--netem-rate-mbit R]
+                                     [--netem-delay-ms D]      (root: network namespaces)
+
+With --hosts 2 the ranks run on two emulated hosts (test/multihost.py: two
+network namespaces joined by a veth link, distinct hostnames, real `torchrun
+--nnodes 2`), so everything between hosts crosses TCP; --netem-* shape that
+link with tc netem to emulate a real network. Results go to
+collectives_2hosts.json / .png.
 
 For every op and message size, the contenders run in the same processes
 (fsdp_ext as the default group, gloo as a second group over the same ranks),
@@ -25,6 +33,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 from _workers import init_rank, run_ranks
@@ -122,6 +131,35 @@ def _make_runner(op, nbytes, world, rank, group, allocate):
 
 def _worker(rank, world, init_file, queue, ops, sizes, repeats):
     gloo = init_rank(rank, world, init_file)
+    import torch.distributed as dist
+
+    results = _measure(rank, world, gloo, ops, sizes, repeats)
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def _torchrun_worker(ops, sizes, repeats, result_file):
+    """One rank of a --hosts run, started by torchrun on an emulated host."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import torch_fsdp_ext  # noqa: F401
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fsdp_ext", timeout=datetime.timedelta(minutes=10))
+    gloo = dist.new_group(backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = _measure(rank, world, gloo, ops, sizes, repeats)
+    if rank == 0:
+        with open(result_file, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _measure(rank, world, gloo, ops, sizes, repeats):
     import torch
     import torch.distributed as dist
 
@@ -165,9 +203,26 @@ def _worker(rank, world, init_file, queue, ops, sizes, repeats):
             if rank == 0:
                 results.append({"op": op, "bytes": numel * 4, "world_size": world,
                                 "shared_memory": shared_memory, "seconds": samples})
-    if rank == 0:
-        queue.put(results)
-    dist.destroy_process_group()
+    return results
+
+
+def run_on_two_hosts(ranks_per_host, ops, sizes, repeats, netem):
+    """Runs the measurement under torchrun on two emulated hosts; rank 0's rows."""
+    import tempfile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test"))
+    import multihost
+
+    with tempfile.TemporaryDirectory() as tmp, multihost.TwoHosts(**netem) as hosts:
+        result_file = os.path.join(tmp, "rows.json")
+        args = ["--torchrun-worker", result_file, "--repeats", str(repeats), "--max-bytes",
+                str(sizes[-1]), "--ops", *ops]
+        out = hosts.torchrun(os.path.abspath(__file__), args, ranks_per_host, timeout=3600)
+        if not os.path.exists(result_file):
+            raise SystemExit("the two-host run failed:\n" + "\n".join(h.output[-4000:]
+                                                                       for h in out))
+        with open(result_file) as f:
+            return json.load(f)
 
 
 def measure_memcpy(sizes):
@@ -237,7 +292,7 @@ def print_table(rows):
               f"{r['fsdp_ext_worst_over_median']:>7.2f}")
 
 
-def plot(rows, memcpy, path):
+def plot(rows, memcpy, path, where="on one host (2 cores)"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -268,7 +323,7 @@ def plot(rows, memcpy, path):
             ax.set_ylabel("bus bandwidth (GB/s)")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle("fsdp_ext vs gloo on one host (2 cores): bus bandwidth against message size")
+    fig.suptitle(f"fsdp_ext vs gloo {where}: bus bandwidth against message size")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -279,13 +334,28 @@ def main():
     parser.add_argument("--max-bytes", type=parse_size, default=64 << 20)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ops", nargs="+", default=OPS, choices=OPS)
-    parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results",
-                                                           "collectives.json"))
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--hosts", type=int, choices=[1, 2], default=1)
+    parser.add_argument("--ranks-per-host", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--netem-rate-mbit", type=int, default=None)
+    parser.add_argument("--netem-delay-ms", type=float, default=None)
+    parser.add_argument("--torchrun-worker", metavar="RESULT_FILE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = sizes_up_to(args.max_bytes)
+    if args.torchrun_worker:
+        return _torchrun_worker(args.ops, sizes, args.repeats, args.torchrun_worker)
+    results_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    if args.output is None:
+        name = "collectives.json" if args.hosts == 1 else "collectives_2hosts.json"
+        args.output = os.path.join(results_dir, name)
     memcpy = measure_memcpy(sizes)
     rows = []
-    for world in args.world_sizes:
+    if args.hosts == 2:
+        netem = {"rate_mbit": args.netem_rate_mbit, "delay_ms": args.netem_delay_ms}
+        for per_host in args.ranks_per_host:
+            results = run_on_two_hosts(per_host, args.ops, sizes, args.repeats, netem)
+            rows.extend(summarize(entry, memcpy) for entry in results)
+    for world in (args.world_sizes if args.hosts == 1 else []):
         results = run_ranks(world, _worker, args.ops, sizes, args.repeats)
         rows.extend(summarize(entry, memcpy) for entry in results)
     print_table(rows)
@@ -293,7 +363,10 @@ def main():
     with open(args.output, "w") as f:
         json.dump({"rows": rows, "memcpy_GBps": memcpy, "repeats": args.repeats}, f, indent=1)
     png = os.path.splitext(args.output)[0] + ".png"
-    plot(rows, memcpy, png)
+    where = "on one host (2 cores)" if args.hosts == 1 else \
+        "across 2 emulated hosts (veth + TCP" + (", netem" if args.netem_rate_mbit or
+                                                  args.netem_delay_ms else "") + ")"
+    plot(rows, memcpy, png, where)
     print(f"\nwrote {args.output} and {png}")
 
 

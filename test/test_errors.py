@@ -119,6 +119,9 @@ def check_timeout(ctx, numel):
         elapsed = (datetime.datetime.now() - start).total_seconds()
         message = str(info.value)
         assert "timed out" in message and "rank 1" in message and "all_reduce" in message, message
+        # What the missing peer was doing, read from the store, not from it.
+        assert "Peers not in this op: rank 1 (host " in message, message
+        assert "not in any collective (the last one it began: " in message, message
         assert 2.5 <= elapsed < 20, elapsed
         # The broken group refuses further work instead of mismatching tags.
         with pytest.raises(dist.DistBackendError, match="unusable"):

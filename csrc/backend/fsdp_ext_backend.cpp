@@ -205,6 +205,11 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     config.spin = environment.spin;
     config.shared_memory = shared_memory_;
     config.liveness = liveness.take_connections();
+    config.explain_timeout = [this](const comm::EngineActivity& mine) {
+      return activity_board_ ? activity_board_->describe_others(
+                                   mine, [this](int peer) { return engine_->describe_peer(peer); })
+                             : std::string();
+    };
     for (const PeerIdentity& peer : peers) {
       // Same host (hostname and boot id): the pid names the peer's process
       // here too, so the engine can watch it exit through a pidfd.
@@ -212,6 +217,8 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
                                             peer.host == peers[rank].host});
     }
     engine_ = std::make_unique<comm::ProgressEngine>(std::move(config), std::move(transport));
+    activity_board_ = std::make_unique<PeerActivityBoard>(
+        store, rank, size, [engine = engine_.get()] { return engine->activity(); });
   } catch (const comm::CommError& error) {
     C10_THROW_ERROR(DistBackendError, init_label.prefix() + error.what());
   } catch (const std::runtime_error& error) {
@@ -274,6 +281,7 @@ void FsdpExtBackend::abort() {
 }
 
 void FsdpExtBackend::shutdown() {
+  if (activity_board_) activity_board_->stop();
   if (engine_) engine_->shutdown();
 }
 

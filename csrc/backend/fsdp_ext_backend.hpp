@@ -18,8 +18,10 @@
 #include <vector>
 
 #include "backend/fsdp_ext_work.hpp"
+#include "backend/peer_activity.hpp"
 #include "backend/op_label.hpp"
 #include "comm/algorithms/algorithms.h"
+#include "backend/peer_activity.hpp"
 #include "comm/progress_engine.h"
 #include "comm/shared_buffer_pool.h"
 #include "comm/shared_memory_domain.h"
@@ -140,6 +142,8 @@ class FsdpExtBackend : public c10d::Backend {
   std::shared_ptr<comm::SharedBufferPool> pool_;
   std::shared_ptr<comm::SharedMemoryDomain> shared_memory_;
   std::unique_ptr<comm::ProgressEngine> engine_;
+  // After engine_: stopped (in shutdown) and destroyed before it.
+  std::unique_ptr<PeerActivityBoard> activity_board_;
 
   // Coalescing: ops issued between startCoalescing and endCoalescing on the
   // coalescing thread become one queued operation.

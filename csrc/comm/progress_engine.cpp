@@ -11,11 +11,12 @@ namespace {
 
 // Longest sleep without a deadline: bounds how late a missed wake-up is noticed.
 constexpr auto kMaxSleep = std::chrono::milliseconds(100);
-// While sends are pending (which UCX never announces, see engine_wakeup.h)
-// the engine sleeps this long at first, doubling up to kSendSliceMax: short
-// enough to keep a TCP link busy, long enough to leave the core to others.
-constexpr auto kSendSliceMin = std::chrono::microseconds(20);
-constexpr auto kSendSliceMax = std::chrono::microseconds(1000);
+// While requests are pending the engine sleeps this long at first, doubling
+// up to kPendingSliceMax: short enough to keep a TCP link busy, long enough
+// to leave the core to others (see engine_wakeup.h for why the fd alone is
+// not trusted then).
+constexpr auto kPendingSliceMin = std::chrono::microseconds(20);
+constexpr auto kPendingSliceMax = std::chrono::microseconds(1000);
 
 // After a peer is lost: how long nothing may move before the wait gives up,
 // and the most time spent draining.
@@ -35,9 +36,9 @@ bool drain_after_loss(Transport& transport, Finished&& finished) {
   }
 }
 
-bool any_send_pending(const std::vector<Request>& requests) {
+bool any_pending(const std::vector<Request>& requests) {
   for (const Request& request : requests) {
-    if (!request.finished && !request.is_recv) return true;
+    if (!request.finished) return true;
   }
   return false;
 }
@@ -172,11 +173,11 @@ const std::string& ProgressEngine::check_peers() {
 }
 
 ProgressEngine::IdleState ProgressEngine::fresh_idle_state() const {
-  return IdleState{Clock::now() + config_.spin, kSendSliceMin};
+  return IdleState{Clock::now() + config_.spin, kPendingSliceMin};
 }
 
 void ProgressEngine::idle_wait(IdleState& state, Clock::time_point until, bool in_op,
-                               bool sends_pending) {
+                               bool requests_pending) {
   const auto now = Clock::now();
   if (now < state.spin_until) {
     sched_yield();
@@ -184,9 +185,9 @@ void ProgressEngine::idle_wait(IdleState& state, Clock::time_point until, bool i
   }
   // Busy: UCX has events queued that arming would lose; progress instead.
   if (!transport_->arm()) return;
-  if (sends_pending) {
-    until = std::min(until, now + state.send_slice);
-    state.send_slice = std::min(state.send_slice * 2, kSendSliceMax);
+  if (requests_pending) {
+    until = std::min(until, now + state.pending_slice);
+    state.pending_slice = std::min(state.pending_slice * 2, kPendingSliceMax);
   }
   wakeup_->sleep(std::min(until, now + kMaxSleep), /*wake_on_submit=*/!in_op);
 }
@@ -223,11 +224,7 @@ void ProgressEngine::thread_main() {
       idle = fresh_idle_state();
       continue;
     }
-    bool sends_pending = false;
-    for (const InFlight& entry : in_flight_) {
-      sends_pending = sends_pending || any_send_pending(entry.requests);
-    }
-    idle_wait(idle, nearest_deadline(), /*in_op=*/false, sends_pending);
+    idle_wait(idle, nearest_deadline(), /*in_op=*/false, !in_flight_.empty());
     wakeup_->drain_submitted();
   }
 }
@@ -424,11 +421,15 @@ void ProgressEngine::wait_for(const std::string& description, Clock::time_point 
                       " (step " + std::to_string(request.step) + ", " +
                       std::to_string(request.bytes) + " bytes)";
       }
+      std::string peers;
+      if (config_.explain_timeout && running_ != nullptr && running_->collective) {
+        peers = config_.explain_timeout(activity());
+      }
       fail(ErrorKind::kTimeout,
            description + ": timed out after " + std::to_string(timeout.count()) +
                " ms; still waiting for " + waiting_on +
                ". A peer did not reach this collective (set the timeout with "
-               "init_process_group(timeout=...)).");
+               "init_process_group(timeout=...))." + peers);
     }
     if (progressed > 0) {
       idle = fresh_idle_state();
@@ -436,7 +437,7 @@ void ProgressEngine::wait_for(const std::string& description, Clock::time_point 
     }
     // Point-to-point ops posted earlier complete while a collective waits.
     if (poll_in_flight(false)) continue;
-    idle_wait(idle, deadline, /*in_op=*/true, any_send_pending(requests));
+    idle_wait(idle, deadline, /*in_op=*/true, any_pending(requests));
   }
   if (only != kAllRequests) {
     const Request& done = requests[only];

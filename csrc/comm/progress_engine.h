@@ -79,6 +79,10 @@ struct EngineConfig {
   std::string group_name;
   // One entry per rank (or empty): named in errors, same-host ones watched.
   std::vector<PeerInfo> peers;
+  // Appended to a timeout's message: what the other ranks were doing when
+  // this rank's op (`mine`) timed out (the backend reads it from the store).
+  // Optional.
+  std::function<std::string(const EngineActivity& mine)> explain_timeout;
   // Connections to peers on other hosts, watched for their end.
   std::vector<PeerLiveness::Connection> liveness;
   // How long to keep polling after the last sign of progress before sleeping
@@ -147,13 +151,14 @@ class ProgressEngine {
                          std::shared_ptr<void> keepalive, bool scratch_in_use);
   void mark_broken(const std::string& reason);
   // Sleep policy while nothing progresses: spin briefly, then arm the
-  // worker and sleep until `until` (in short slices while sends are pending).
+  // worker and sleep until `until` (in short slices while requests are
+  // pending).
   struct IdleState {
     Clock::time_point spin_until;
-    std::chrono::microseconds send_slice;
+    std::chrono::microseconds pending_slice;
   };
   IdleState fresh_idle_state() const;
-  void idle_wait(IdleState& state, Clock::time_point until, bool in_op, bool sends_pending);
+  void idle_wait(IdleState& state, Clock::time_point until, bool in_op, bool requests_pending);
   // Collects peers that exited or whose endpoint failed; returns the message
   // describing the first loss ("" while every peer is alive).
   const std::string& check_peers();

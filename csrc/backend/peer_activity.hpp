@@ -1,0 +1,56 @@
+// What each rank of a group is doing, posted to the group's store, so that a
+// timed-out op can say what the missing peers were last doing without asking
+// them (they may be stuck, or gone).
+//
+// A low-priority thread posts this rank's EngineActivity ("in all_reduce op
+// #12", "not in any collective (last began barrier op #11)") whenever it
+// changed, at most every kPostInterval; ops never touch the store. The
+// report is therefore up to that interval stale, which is far below any
+// collective timeout.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "comm/progress_engine.h"
+
+namespace fsdp_ext::backend {
+
+class PeerActivityBoard {
+ public:
+  PeerActivityBoard(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                    std::function<comm::EngineActivity()> read_activity);
+  ~PeerActivityBoard();
+  PeerActivityBoard(const PeerActivityBoard&) = delete;
+  PeerActivityBoard& operator=(const PeerActivityBoard&) = delete;
+
+  // "rank 1: in all_reduce op #12; rank 3: not in any collective (...)" for
+  // every other rank whose last post differs from `mine` (this rank, in the
+  // op that timed out), or a sentence saying all were in it. Never blocks on
+  // a missing key; a store that fails is reported as such.
+  std::string describe_others(const comm::EngineActivity& mine,
+                              const std::function<std::string(int)>& name_rank) const;
+
+  static std::string format(const comm::EngineActivity& activity);
+  void stop();
+
+ private:
+  void post_loop();
+  std::string key(int rank) const;
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_;
+  int size_;
+  std::function<comm::EngineActivity()> read_activity_;
+  std::mutex mutex_;
+  std::condition_variable stop_requested_;
+  bool stopping_ = false;
+  std::thread poster_;
+};
+
+}  // namespace fsdp_ext::backend

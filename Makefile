@@ -7,7 +7,8 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-# Tests and demo stay on loopback: shared memory between local ranks, TCP on lo.
+# Tests and demo stay on loopback: shared memory between local ranks, TCP on lo
+# (test/multihost.py sets its own: the link between its two emulated hosts).
 export UCX_NET_DEVICES ?= lo
 export UCX_TLS ?= self,sm,tcp
 export UCX_LOG_LEVEL ?= error
@@ -17,6 +18,11 @@ export UCX_LOG_LEVEL ?= error
 setup: build
 
 system-deps:
+	@# iproute2 and util-linux (ip netns, unshare): test/multihost.py's two emulated hosts.
+	@if ! command -v ip >/dev/null || ! command -v unshare >/dev/null; then \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 util-linux >/dev/null; \
+	fi
 	@if ! pkg-config --exists ucx 2>/dev/null; then \
 	  echo "== installing UCX (libucx-dev) from Debian"; \
 	  $(SUDO) apt-get update -qq && \

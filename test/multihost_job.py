@@ -114,6 +114,28 @@ def check_collectives(rank, world):
     manager.wait()
     for t in tensors:
         expect("coalesced all_reduce", t, torch.full_like(t, float(sum(range(world)))))
+    # Buffers allocated from the group (FSDP's zero-copy path): shared memory
+    # within each host whenever collectives go hierarchical.
+    cpu = torch.device("cpu")
+    backend = dist.group.WORLD._get_backend(cpu)
+    hierarchical = world > 2 and world % 2 == 0
+    assert backend.supports_tensor_alloc(cpu) == hierarchical, (world, hierarchical)
+    if hierarchical:
+        for n in (1, 3, 8191, 300000):
+            out = backend.allocate_tensor(n * world, dtype=torch.float32, device=cpu)
+            mine = out.narrow(0, rank * n, n)
+            mine.copy_(torch.arange(n, dtype=torch.float32) + rank)
+            dist.all_gather_into_tensor(out, mine)
+            expect("all_gather_into_tensor (group buffers)", out,
+                   torch.cat([torch.arange(n, dtype=torch.float32) + r for r in range(world)]))
+            full = backend.allocate_tensor(n * world, dtype=torch.float32, device=cpu)
+            full.copy_(torch.arange(n * world, dtype=torch.float32) % 7 + rank)
+            shard = backend.allocate_tensor(n, dtype=torch.float32, device=cpu)
+            dist.reduce_scatter_tensor(shard, full)
+            want = (torch.arange(n * world, dtype=torch.float32) % 7).narrow(0, rank * n, n)
+            expect("reduce_scatter_tensor (group buffers)", shard,
+                   want * world + sum(range(world)))
+            checked += 2
     dist.barrier()
     # The same all_reduce over gloo, as a cross-check of the setup itself.
     gloo = dist.new_group(backend="gloo")

@@ -67,9 +67,12 @@ def test_fully_shard_training_across_two_hosts_matches_gloo():
     expect_reports(out, reports, range(4))
     losses = reports[0]["losses"]
     assert len(losses["ours/fsdp_ext"]) == 4
-    # Same model, same data, same reductions: identical losses everywhere.
-    for name, run in losses.items():
-        assert run == losses["upstream/gloo"], (name, losses)
+    # Same model, data and backend: ours and upstream's bit for bit.
+    assert losses["ours/fsdp_ext"] == losses["upstream/fsdp_ext"], losses
+    assert losses["ours/gloo"] == losses["upstream/gloo"], losses
+    # Across backends only the summation order differs (fsdp_ext sums within
+    # each host first when a group spans hosts): float32 rounding apart.
+    assert losses["ours/fsdp_ext"] == pytest.approx(losses["upstream/gloo"], rel=1e-5), losses
     for report in reports.values():
         assert report["losses"] == losses
 

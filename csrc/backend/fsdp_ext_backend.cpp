@@ -89,7 +89,7 @@ std::vector<int64_t> resolve_splits(const OpLabel& label, const at::Tensor& tens
 std::string why_no_process_reads(const std::vector<PeerIdentity>& peers, int rank, bool wanted) {
   if (!wanted) return "FSDP_EXT_PROCESS_READS=0";
   for (int p = 0; p < static_cast<int>(peers.size()); ++p) {
-    if (p == rank) continue;
+    if (p == rank || peers[p].host != peers[rank].host) continue;
     uint64_t value = 0;
     try {
       comm::SharedMemoryDomain::read_process_memory(peers[p].pid, peers[p].probe_address, &value,
@@ -104,24 +104,52 @@ std::string why_no_process_reads(const std::vector<PeerIdentity>& peers, int ran
   return "";
 }
 
-// Whether this rank can share memory with every peer: all on this host, and
-// each peer's probe segment maps. FSDP_EXT_SHARED_MEMORY=0 (`wanted` false)
-// keeps a group on UCX messages only (and makes supports_tensor_alloc false).
-// Returns why not ("" when it can), for the group's log line.
-std::string why_no_shared_memory(comm::SharedMemoryDomain& domain,
-                                 const std::vector<PeerIdentity>& peers, int rank, bool wanted) {
-  if (!wanted) return "FSDP_EXT_SHARED_MEMORY=0";
+// Which ranks share a host (hostname and boot id), hosts in order of their
+// lowest rank.
+comm::HostTopology host_topology(const std::vector<PeerIdentity>& peers, int rank) {
+  comm::HostTopology topology;
+  std::vector<std::string> names;
   for (int p = 0; p < static_cast<int>(peers.size()); ++p) {
-    if (peers[p].host != peers[rank].host) {
-      return "rank " + std::to_string(p) + " is on another host (" + peers[p].host + ")";
+    const auto found = std::find(names.begin(), names.end(), peers[p].host);
+    const size_t h = static_cast<size_t>(found - names.begin());
+    if (found == names.end()) {
+      names.push_back(peers[p].host);
+      topology.hosts.emplace_back();
     }
+    if (p == rank) {
+      topology.host = static_cast<int>(h);
+      topology.local = static_cast<int>(topology.hosts[h].size());
+    }
+    topology.hosts[h].push_back(p);
   }
-  for (int p = 0; p < static_cast<int>(peers.size()); ++p) {
-    if (p == rank) continue;
+  return topology;
+}
+
+// Whether this rank can share memory with the peers of its host: each
+// peer's probe segment maps. A group over several hosts shares memory
+// within each host when collectives can go hierarchical (the same number of
+// ranks, at least two, on every host). FSDP_EXT_SHARED_MEMORY=0 (`wanted`
+// false) keeps a group on UCX messages only (and makes supports_tensor_alloc
+// false). Returns why not ("" when it can), for the group's log line.
+std::string why_no_shared_memory(comm::SharedMemoryDomain& domain,
+                                 const std::vector<PeerIdentity>& peers,
+                                 const comm::HostTopology& topology, bool wanted) {
+  if (!wanted) return "FSDP_EXT_SHARED_MEMORY=0";
+  if (topology.hosts.size() > 1 && !topology.hierarchical()) {
+    return topology.hosts[0].size() == 1 && topology.hosts.size() == peers.size()
+               ? std::string("one rank per host")
+               : std::string("hosts hold different numbers of ranks");
+  }
+  const std::vector<int>& mine = topology.hosts[topology.host];
+  for (int local = 0; local < static_cast<int>(mine.size()); ++local) {
+    if (local == topology.local) continue;
+    const PeerIdentity& peer = peers[mine[local]];
     try {
-      domain.probe_peer(p, peers[p].pid, peers[p].probe);
+      // The domain names peers by their position on this host.
+      domain.probe_peer(local, peer.pid, peer.probe);
     } catch (const comm::CommError& error) {
-      return "rank " + std::to_string(p) + "'s memory could not be mapped: " + error.what();
+      return "rank " + std::to_string(mine[local]) + "'s memory could not be mapped: " +
+             error.what();
     }
   }
   return "";
@@ -155,7 +183,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   TORCH_CHECK_VALUE(size >= 1 && size < comm::tag::kMaxRanks, init_label.prefix(),
                     "group size ", size, " is out of range");
   const BackendEnvironment environment = read_environment(init_label.prefix());
-  std::string no_shared_memory, no_process_reads, unwatched_peers;
+  std::string no_shared_memory, no_process_reads, unwatched_peers, layout;
   size_t hosts = 0;
   // [0]: every peer's shared memory maps; [1]: process_vm_readv works too.
   auto shared_ok = std::make_shared<std::array<int32_t, 2>>();
@@ -176,8 +204,16 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
       pids[peers.size() - 1] = peers.back().pid;
     }
     transport->connect(addresses);
-    no_shared_memory = why_no_shared_memory(*shared_memory_, peers, rank,
+    const comm::HostTopology topology = host_topology(peers, rank);
+    // The domain names peers by their position on this host.
+    pids.clear();
+    for (int peer : topology.hosts[topology.host]) pids.push_back(peers[peer].pid);
+    no_shared_memory = why_no_shared_memory(*shared_memory_, peers, topology,
                                             environment.shared_memory);
+    if (no_shared_memory.empty() && topology.hosts.size() > 1) {
+      layout = ", hierarchical collectives (" + std::to_string(topology.hosts.size()) +
+               " hosts x " + std::to_string(topology.hosts[0].size()) + " ranks)";
+    }
     if (no_shared_memory.empty()) {
       no_process_reads = why_no_process_reads(peers, rank, environment.process_reads);
     } else {
@@ -199,6 +235,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
                      std::min(default_timeout_, std::chrono::milliseconds(10000)));
     for (int peer : liveness.missing()) unwatched_peers += " " + std::to_string(peer);
     comm::EngineConfig config;
+    config.topology = topology;
     config.rank = rank;
     config.size = size;
     config.group_name = group_name_;
@@ -247,7 +284,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   LOG(INFO) << "fsdp_ext group '" << group_name_ << "': rank " << rank << "/" << size << ", "
             << hosts << (hosts == 1 ? " host" : " hosts") << ", shared memory "
             << state((*shared_ok)[0] == 1, no_shared_memory) << ", process reads "
-            << state((*shared_ok)[1] == 1, no_process_reads)
+            << state((*shared_ok)[1] == 1, no_process_reads) << ((*shared_ok)[0] == 1 ? layout : "")
             << (unwatched_peers.empty() ? ""
                                         : ", not watched for loss (unreachable):" + unwatched_peers);
   std::lock_guard<std::mutex> lock(registry_mutex());

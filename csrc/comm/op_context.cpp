@@ -1,6 +1,8 @@
 #include "comm/op_context.h"
 
 #include "comm/error.h"
+
+#include "comm/error.h"
 #include "comm/progress_engine.h"
 #include "comm/scratch_arena.h"
 #include "comm/shared_memory_domain.h"
@@ -28,15 +30,16 @@ OpContext::OpContext(ProgressEngine& engine, Transport& transport,
 
 Request OpContext::send(int peer, uint32_t step, const void* data, size_t bytes) {
   Request request;
-  transport_.post_send(request, peer, tag::collective(seq_, step, rank()), usable(data), bytes);
+  transport_.post_send(request, global(peer), tag::collective(seq_, step, transport_.rank()),
+                       usable(data), bytes);
   request.step = step;
   return request;
 }
 
 Request OpContext::recv(int peer, uint32_t step, void* data, size_t bytes) {
   Request request;
-  request.peer = peer;
-  transport_.post_recv(request, tag::collective(seq_, step, peer), tag::kMatchAll,
+  request.peer = global(peer);
+  transport_.post_recv(request, tag::collective(seq_, step, global(peer)), tag::kMatchAll,
                        usable(data), bytes);
   request.step = step;
   return request;
@@ -69,11 +72,48 @@ void OpContext::wait_one(std::vector<Request>& requests, size_t index) {
 void* OpContext::scratch(size_t bytes) { return scratch_.allocate(bytes); }
 
 SharedMemoryDomain* OpContext::shared_memory() const {
+  SharedMemoryDomain* domain =
+      members_ ? sub_shared_memory_ : engine_.config().shared_memory.get();
+  // A group over several hosts enables its domain for each host's ranks:
+  // only a phase within one host may use it.
+  if (!members_ && engine_.config().topology.hosts.size() > 1) return nullptr;
+  return domain && domain->enabled() ? domain : nullptr;
+}
+
+void OpContext::begin_next_collective() {
+  if (!members_) {
+    seq_ = engine_.allocate_seq();
+    return;
+  }
+  if (++seq_ >= seq_end_) {
+    throw CommError(ErrorKind::kTransport,
+                    description_ + ": a phase of this hierarchical collective needed more than " +
+                        std::to_string(kSeqsPerPhase) + " sequence numbers (a bucket this large "
+                        "is not supported across hosts; split it)");
+  }
+}
+
+SharedMemoryDomain* OpContext::shared_memory_of_host() const {
   SharedMemoryDomain* domain = engine_.config().shared_memory.get();
   return domain && domain->enabled() ? domain : nullptr;
 }
 
-void OpContext::begin_next_collective() { seq_ = engine_.allocate_seq(); }
+const HostTopology* OpContext::hierarchy() const {
+  const HostTopology& topology = engine_.config().topology;
+  return !members_ && topology.hierarchical() ? &topology : nullptr;
+}
+
+OpContext OpContext::sub_group(std::vector<int> members, SharedMemoryDomain* shared_memory) {
+  OpContext phase(engine_, transport_, scratch_, description_, engine_.reserve_seqs(kSeqsPerPhase),
+                  deadline_, timeout_);
+  phase.seq_end_ = phase.seq_ + kSeqsPerPhase;
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (members[i] == transport_.rank()) phase.member_index_ = static_cast<int>(i);
+  }
+  phase.members_ = std::make_shared<const std::vector<int>>(std::move(members));
+  phase.sub_shared_memory_ = shared_memory;
+  return phase;
+}
 
 void check_finished_request(const Request& request, const std::string& description) {
   const std::string peer =

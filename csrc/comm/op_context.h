@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,8 +16,14 @@ namespace fsdp_ext::comm {
 class ProgressEngine;
 class ScratchArena;
 class SharedMemoryDomain;
+struct HostTopology;
 
 using Clock = std::chrono::steady_clock;
+
+// Sequence numbers each phase of a hierarchical op reserves (its nested
+// begin_next_collective calls: a ring all-reduce's second half, windows of
+// very large buckets).
+constexpr uint64_t kSeqsPerPhase = 16;
 
 class OpContext {
  public:
@@ -24,8 +31,12 @@ class OpContext {
             std::string description, uint64_t seq, Clock::time_point deadline,
             std::chrono::milliseconds timeout);
 
-  int rank() const { return transport_.rank(); }
-  int size() const { return transport_.size(); }
+  // This rank and the group size -- within the sub-group for a phase of a
+  // hierarchical op (sub_group), where peers are named by their position.
+  int rank() const { return members_ ? member_index_ : transport_.rank(); }
+  int size() const {
+    return members_ ? static_cast<int>(members_->size()) : transport_.size();
+  }
   uint64_t seq() const { return seq_; }
   const std::string& description() const { return description_; }
   Clock::time_point deadline() const { return deadline_; }
@@ -54,13 +65,30 @@ class OpContext {
 
   void* scratch(size_t bytes);
 
-  // The group's shared memory when every rank is on one host and it was
-  // enabled at init; null otherwise (then only UCX messages are used).
+  // The shared memory this context's ranks have in common: the group's when
+  // it is on one host (or, in a phase, the host's ranks); null otherwise (then
+  // only UCX messages are used).
   SharedMemoryDomain* shared_memory() const;
 
   // A batch of coalesced collectives runs in one op; each collective after
   // the first takes a fresh sequence number so their tags stay apart.
   void begin_next_collective();
+
+  // The group's shared memory for a phase among this host's ranks (enabled
+  // for exactly those in a group over several hosts), or null.
+  SharedMemoryDomain* shared_memory_of_host() const;
+
+  // The hosts of a group that spans several with the same number of ranks
+  // (at least two) on each: collectives then run hierarchically. Null for
+  // other groups and inside a phase.
+  const HostTopology* hierarchy() const;
+
+  // A phase of a hierarchical op: `members` (global ranks, this one among
+  // them) as a group of their own, with `shared_memory` the domain enabled
+  // for exactly those ranks (or null). Reserves a block of sequence numbers
+  // on every rank alike, so phases never share tags even when a peer runs
+  // ahead into the next one; messages carry global ranks.
+  OpContext sub_group(std::vector<int> members, SharedMemoryDomain* shared_memory);
 
  private:
   ProgressEngine& engine_;
@@ -71,6 +99,13 @@ class OpContext {
   Clock::time_point deadline_;
   std::chrono::milliseconds timeout_;
   std::vector<Request> detached_;
+  // Set for a sub-group: its members (global ranks), this rank's position,
+  // its shared memory, and the end of its reserved sequence numbers.
+  std::shared_ptr<const std::vector<int>> members_;
+  int member_index_ = -1;
+  SharedMemoryDomain* sub_shared_memory_ = nullptr;
+  uint64_t seq_end_ = 0;
+  int global(int peer) const { return members_ ? (*members_)[peer] : peer; }
 };
 
 // Turns a finished request's status into a CommError (or nothing when it

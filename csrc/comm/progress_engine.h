@@ -73,10 +73,34 @@ struct EngineActivity {
   uint64_t ops_started = 0;   // every op begun so far (collectives and p2p)
 };
 
+// Which ranks share a host, when a group spans several: hosts[h] lists the
+// global ranks on host h in ascending order. Collectives go hierarchical
+// (algorithms/hierarchical.cpp) when every host has the same number of
+// ranks, at least two: shared memory within a host, the network between.
+struct HostTopology {
+  std::vector<std::vector<int>> hosts;
+  int host = 0;   // this rank's host
+  int local = 0;  // this rank's position on it
+  bool hierarchical() const {
+    if (hosts.size() < 2 || hosts[0].size() < 2) return false;
+    for (const auto& ranks : hosts) {
+      if (ranks.size() != hosts[0].size()) return false;
+    }
+    return true;
+  }
+  // The ranks at position `local` on every host, host order.
+  std::vector<int> column(int local_index) const {
+    std::vector<int> out;
+    for (const auto& ranks : hosts) out.push_back(ranks[local_index]);
+    return out;
+  }
+};
+
 struct EngineConfig {
   int rank = 0;
   int size = 1;
   std::string group_name;
+  HostTopology topology;
   // One entry per rank (or empty): named in errors, same-host ones watched.
   std::vector<PeerInfo> peers;
   // Appended to a timeout's message: what the other ranks were doing when
@@ -113,6 +137,13 @@ class ProgressEngine {
 
   // Progress thread only: the next collective sequence number.
   uint64_t allocate_seq() { return next_seq_++; }
+  // Progress thread only: `count` consecutive sequence numbers (a phase of a
+  // hierarchical op; every rank reserves the same blocks in the same order).
+  uint64_t reserve_seqs(uint64_t count) {
+    const uint64_t first = next_seq_;
+    next_seq_ += count;
+    return first;
+  }
   // Ops run and collective sequence numbers used so far (any thread): tests
   // use them to check that a coalesced bucket runs as one op and one pass.
   uint64_t ops_run() const { return ops_run_.load(std::memory_order_relaxed); }

@@ -9,6 +9,7 @@
 //           else with process_vm_readv (large) or from a staging copy (small).
 #include "comm/algorithm_selection.h"
 #include "comm/algorithms/algorithms.h"
+#include "comm/algorithms/hierarchical.h"
 #include "comm/algorithms/shared_source_exchange.h"
 #include "comm/algorithms/span_helpers.h"
 
@@ -97,6 +98,8 @@ void allgather_shared(OpContext& context, SharedMemoryDomain& domain,
 }  // namespace
 
 void allgather(OpContext& context, const std::vector<AllgatherMember>& bucket) {
+  if (hierarchical_allgather(context, bucket)) return;
+
   const int n = context.size();
   if (n == 1) {
     copy_own_blocks(context, bucket);

@@ -10,6 +10,7 @@
 //           staging slot, then copies the peers' reduced blocks back out.
 #include "comm/algorithm_selection.h"
 #include "comm/algorithms/algorithms.h"
+#include "comm/algorithms/hierarchical.h"
 #include "comm/algorithms/shared_source_exchange.h"
 #include "comm/algorithms/span_helpers.h"
 
@@ -138,6 +139,8 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
 }  // namespace
 
 void allreduce(OpContext& context, const std::vector<AllreduceMember>& bucket) {
+  if (hierarchical_allreduce(context, bucket)) return;
+
   const int n = context.size();
   if (n == 1) {
     for (const AllreduceMember& member : bucket) {

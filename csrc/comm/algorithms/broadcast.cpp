@@ -5,6 +5,7 @@
 //   shm     : every rank copies the root's buffer straight out of its memory.
 #include "comm/algorithm_selection.h"
 #include "comm/algorithms/algorithms.h"
+#include "comm/algorithms/hierarchical.h"
 #include "comm/algorithms/shared_source_exchange.h"
 #include "comm/algorithms/span_helpers.h"
 
@@ -68,6 +69,8 @@ void broadcast_shared(OpContext& context, SharedMemoryDomain& domain, MutableSpa
 }  // namespace
 
 void broadcast(OpContext& context, MutableSpan data, int root) {
+  if (hierarchical_broadcast(context, data, root)) return;
+
   if (context.size() == 1) return;
   SharedMemoryDomain* shared = context.shared_memory();
   switch (select_broadcast(data.bytes, context.size(), shared != nullptr)) {

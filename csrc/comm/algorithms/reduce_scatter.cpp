@@ -13,6 +13,7 @@
 
 #include "comm/algorithm_selection.h"
 #include "comm/algorithms/algorithms.h"
+#include "comm/algorithms/hierarchical.h"
 #include "comm/algorithms/shared_source_exchange.h"
 #include "comm/algorithms/span_helpers.h"
 
@@ -152,6 +153,8 @@ void reduce_scatter_shared(OpContext& context, SharedMemoryDomain& domain,
 }  // namespace
 
 void reduce_scatter(OpContext& context, const std::vector<ReduceScatterMember>& bucket) {
+  if (hierarchical_reduce_scatter(context, bucket)) return;
+
   const std::vector<ReduceScatterMember> contributions = apply_pre_scale(context, bucket);
   const int n = context.size();
   if (n == 1) {

@@ -245,9 +245,11 @@ def main():
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--marker", default="")
     parser.add_argument("--timeout", type=float, default=60)
+    parser.add_argument("--backend", default="fsdp_ext",
+                        help="the default group's backend (gloo: the baseline of kill runs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("fsdp_ext", timeout=datetime.timedelta(seconds=args.timeout))
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.mode == "collectives":
         check_collectives(rank, world)

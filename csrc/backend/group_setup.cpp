@@ -1,0 +1,265 @@
+// A group's creation and end: what each rank publishes and agrees on at
+// init (hosts, shared memory, process reads, liveness connections), the
+// one log line per group, shutdown and abort.
+#include "backend/fsdp_ext_backend.hpp"
+
+#include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <string>
+
+#include "backend/environment.hpp"
+#include "backend/peer_identity.hpp"
+#include "backend/store_address_exchange.hpp"
+#include "comm/algorithms/algorithms.h"
+#include "comm/peer_liveness.h"
+#include "comm/tag_scheme.h"
+
+namespace fsdp_ext::backend {
+namespace {
+
+// Whether this rank can read every peer's ordinary memory with
+// process_vm_readv (needs ptrace permission: same uid, no Yama restriction).
+// FSDP_EXT_PROCESS_READS=0 (`wanted` false) turns it off (large ordinary
+// tensors are then staged in shared memory, as on hosts that refuse it).
+// Returns why not ("" when every read works), for the group's log line.
+std::string why_no_process_reads(const std::vector<PeerIdentity>& peers, int rank, bool wanted) {
+  if (!wanted) return "FSDP_EXT_PROCESS_READS=0";
+  for (int p = 0; p < static_cast<int>(peers.size()); ++p) {
+    if (p == rank || peers[p].host != peers[rank].host) continue;
+    uint64_t value = 0;
+    try {
+      comm::SharedMemoryDomain::read_process_memory(peers[p].pid, peers[p].probe_address, &value,
+                                                    sizeof(value));
+    } catch (const comm::CommError& error) {
+      return "reading rank " + std::to_string(p) + "'s memory failed: " + error.what();
+    }
+    if (value != kProcessReadProbeValue) {
+      return "reading rank " + std::to_string(p) + "'s memory gave a wrong value";
+    }
+  }
+  return "";
+}
+
+// Which ranks share a host (hostname and boot id), hosts in order of their
+// lowest rank.
+comm::HostTopology host_topology(const std::vector<PeerIdentity>& peers, int rank) {
+  comm::HostTopology topology;
+  std::vector<std::string> names;
+  for (int p = 0; p < static_cast<int>(peers.size()); ++p) {
+    const auto found = std::find(names.begin(), names.end(), peers[p].host);
+    const size_t h = static_cast<size_t>(found - names.begin());
+    if (found == names.end()) {
+      names.push_back(peers[p].host);
+      topology.hosts.emplace_back();
+    }
+    if (p == rank) {
+      topology.host = static_cast<int>(h);
+      topology.local = static_cast<int>(topology.hosts[h].size());
+    }
+    topology.hosts[h].push_back(p);
+  }
+  return topology;
+}
+
+// Whether this rank can share memory with the peers of its host: each
+// peer's probe segment maps. A group over several hosts shares memory
+// within each host when collectives can go hierarchical (the same number of
+// ranks, at least two, on every host). FSDP_EXT_SHARED_MEMORY=0 (`wanted`
+// false) keeps a group on UCX messages only (and makes supports_tensor_alloc
+// false). Returns why not ("" when it can), for the group's log line.
+std::string why_no_shared_memory(comm::SharedMemoryDomain& domain,
+                                 const std::vector<PeerIdentity>& peers,
+                                 const comm::HostTopology& topology, bool wanted) {
+  if (!wanted) return "FSDP_EXT_SHARED_MEMORY=0";
+  if (topology.hosts.size() > 1 && !topology.hierarchical()) {
+    return topology.hosts[0].size() == 1 && topology.hosts.size() == peers.size()
+               ? std::string("one rank per host")
+               : std::string("hosts hold different numbers of ranks");
+  }
+  const std::vector<int>& mine = topology.hosts[topology.host];
+  for (int local = 0; local < static_cast<int>(mine.size()); ++local) {
+    if (local == topology.local) continue;
+    const PeerIdentity& peer = peers[mine[local]];
+    try {
+      // The domain names peers by their position on this host.
+      domain.probe_peer(local, peer.pid, peer.probe);
+    } catch (const comm::CommError& error) {
+      return "rank " + std::to_string(mine[local]) + "'s memory could not be mapped: " +
+             error.what();
+    }
+  }
+  return "";
+}
+
+size_t distinct_hosts(const std::vector<PeerIdentity>& peers) {
+  std::vector<std::string> hosts;
+  for (const PeerIdentity& peer : peers) hosts.push_back(peer.host);
+  std::sort(hosts.begin(), hosts.end());
+  return static_cast<size_t>(std::unique(hosts.begin(), hosts.end()) - hosts.begin());
+}
+
+std::mutex& registry_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+std::vector<FsdpExtBackend*>& registry() {
+  static std::vector<FsdpExtBackend*> live;
+  return live;
+}
+
+}  // namespace
+
+FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                               int size, std::chrono::milliseconds timeout,
+                               std::string group_name)
+    : c10d::Backend(rank, size),
+      default_timeout_(timeout),
+      group_name_(std::move(group_name)) {
+  const OpLabel init_label = label("init");
+  TORCH_CHECK_VALUE(size >= 1 && size < comm::tag::kMaxRanks, init_label.prefix(),
+                    "group size ", size, " is out of range");
+  const BackendEnvironment environment = read_environment(init_label.prefix());
+  std::string no_shared_memory, no_process_reads, unwatched_peers, layout;
+  size_t hosts = 0;
+  // [0]: every peer's shared memory maps; [1]: process_vm_readv works too.
+  auto shared_ok = std::make_shared<std::array<int32_t, 2>>();
+  std::vector<pid_t> pids(size);
+  try {
+    auto transport = std::make_unique<comm::Transport>(rank, size);
+    pool_ = std::make_shared<comm::SharedBufferPool>(transport->context());
+    shared_memory_ = std::make_shared<comm::SharedMemoryDomain>(pool_);
+    comm::PeerLiveness liveness;
+    PeerIdentity mine{transport->worker_address(), this_host(), getpid(),
+                      shared_memory_->probe_piece(),
+                      reinterpret_cast<uint64_t>(&kProcessReadProbeValue), liveness.endpoint()};
+    std::vector<PeerIdentity> peers;
+    std::vector<std::vector<uint8_t>> addresses;
+    for (const auto& blob : exchange_addresses(*store, rank, size, serialize(mine))) {
+      peers.push_back(deserialize_peer_identity(blob));
+      addresses.push_back(peers.back().worker_address);
+      pids[peers.size() - 1] = peers.back().pid;
+    }
+    transport->connect(addresses);
+    const comm::HostTopology topology = host_topology(peers, rank);
+    // The domain names peers by their position on this host.
+    pids.clear();
+    for (int peer : topology.hosts[topology.host]) pids.push_back(peers[peer].pid);
+    no_shared_memory = why_no_shared_memory(*shared_memory_, peers, topology,
+                                            environment.shared_memory);
+    if (no_shared_memory.empty() && topology.hosts.size() > 1) {
+      layout = ", hierarchical collectives (" + std::to_string(topology.hosts.size()) +
+               " hosts x " + std::to_string(topology.hosts[0].size()) + " ranks)";
+    }
+    if (no_shared_memory.empty()) {
+      no_process_reads = why_no_process_reads(peers, rank, environment.process_reads);
+    } else {
+      no_process_reads = "no shared memory";
+    }
+    hosts = distinct_hosts(peers);
+    (*shared_ok)[0] = no_shared_memory.empty() ? 1 : 0;
+    (*shared_ok)[1] = (*shared_ok)[0] && no_process_reads.empty() ? 1 : 0;
+    // Peers on other hosts are watched through an idle TCP connection each;
+    // one that cannot be reached is not watched (its loss then surfaces at
+    // the op's timeout), which the group's log line says.
+    std::vector<std::string> endpoints;
+    std::vector<bool> remote;
+    for (const PeerIdentity& peer : peers) {
+      endpoints.push_back(peer.liveness_endpoint);
+      remote.push_back(peer.host != peers[rank].host);
+    }
+    liveness.connect(rank, endpoints, remote,
+                     std::min(default_timeout_, std::chrono::milliseconds(10000)));
+    for (int peer : liveness.missing()) unwatched_peers += " " + std::to_string(peer);
+    comm::EngineConfig config;
+    config.topology = topology;
+    config.rank = rank;
+    config.size = size;
+    config.group_name = group_name_;
+    config.spin = environment.spin;
+    config.shared_memory = shared_memory_;
+    config.liveness = liveness.take_connections();
+    config.explain_timeout = [this](const comm::EngineActivity& mine) {
+      return activity_board_ ? activity_board_->describe_others(
+                                   mine, [this](int peer) { return engine_->describe_peer(peer); })
+                             : std::string();
+    };
+    for (const PeerIdentity& peer : peers) {
+      // Same host (hostname and boot id): the pid names the peer's process
+      // here too, so the engine can watch it exit through a pidfd.
+      config.peers.push_back(comm::PeerInfo{peer.host.substr(0, peer.host.find('/')), peer.pid,
+                                            peer.host == peers[rank].host});
+    }
+    engine_ = std::make_unique<comm::ProgressEngine>(std::move(config), std::move(transport));
+    activity_board_ = std::make_unique<PeerActivityBoard>(
+        store, rank, size, [engine = engine_.get()] { return engine->activity(); });
+  } catch (const comm::CommError& error) {
+    C10_THROW_ERROR(DistBackendError, init_label.prefix() + error.what());
+  } catch (const std::runtime_error& error) {
+    C10_THROW_ERROR(DistBackendError, init_label.prefix() + error.what());
+  }
+  // Wire up every connection now, find a missing peer at init (within the
+  // timeout) rather than at the first collective, and agree on shared
+  // memory: on only if every rank could map every other rank's memory.
+  auto domain = shared_memory_;
+  auto work = enqueue(init_label, c10d::OpType::BARRIER, nullptr, true, default_timeout_, {},
+                      {}, [shared_ok, domain, pids](comm::OpContext& context) {
+                        comm::allreduce(context,
+                                        comm::MutableSpan{shared_ok->data(), sizeof(*shared_ok)},
+                                        comm::ReduceSpec{comm::DataType::kInt32,
+                                                         comm::ReduceKind::kMin});
+                        if ((*shared_ok)[0] == 1) domain->enable(pids, (*shared_ok)[1] == 1);
+                      });
+  work->wait();
+  // One line per group (TORCH_CPP_LOG_LEVEL=INFO): what was agreed and, where
+  // a feature is off, why this rank could not (or that another rank could not).
+  auto state = [](bool on, const std::string& local_reason) {
+    if (on) return std::string("on");
+    return "off (" + (local_reason.empty() ? std::string("another rank could not")
+                                           : local_reason) + ")";
+  };
+  LOG(INFO) << "fsdp_ext group '" << group_name_ << "': rank " << rank << "/" << size << ", "
+            << hosts << (hosts == 1 ? " host" : " hosts") << ", shared memory "
+            << state((*shared_ok)[0] == 1, no_shared_memory) << ", process reads "
+            << state((*shared_ok)[1] == 1, no_process_reads) << ((*shared_ok)[0] == 1 ? layout : "")
+            << (unwatched_peers.empty() ? ""
+                                        : ", not watched for loss (unreachable):" + unwatched_peers);
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  registry().push_back(this);
+}
+
+FsdpExtBackend::~FsdpExtBackend() {
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    auto& live = registry();
+    live.erase(std::remove(live.begin(), live.end(), this), live.end());
+  }
+  shutdown();
+}
+
+void FsdpExtBackend::shutdown_all() {
+  std::vector<FsdpExtBackend*> live;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    live = registry();
+  }
+  for (FsdpExtBackend* backend : live) backend->shutdown();
+}
+
+void FsdpExtBackend::setTimeout(std::chrono::milliseconds timeout) {
+  default_timeout_ = timeout;
+}
+
+void FsdpExtBackend::abort() {
+  if (engine_) engine_->abort("abort() was called on the process group");
+}
+
+void FsdpExtBackend::shutdown() {
+  if (activity_board_) activity_board_->stop();
+  if (engine_) engine_->shutdown();
+}
+
+}  // namespace fsdp_ext::backend

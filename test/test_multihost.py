@@ -61,6 +61,21 @@ def test_every_collective_across_two_hosts(ranks_per_host):
     assert all(r["checked"] > 0 for r in reports.values())
 
 
+@pytest.mark.parametrize("algorithm", ["direct", "ring", "shm"])
+def test_every_collective_across_two_hosts_with_forced_algorithms(algorithm):
+    """Each phase of the hierarchical collectives (2 hosts x 2 ranks) with one
+    algorithm forced for every collective ("shm" applies within a host)."""
+    forced = {f"FSDP_EXT_{op}_ALGO": algorithm
+              for op in ("ALLGATHER", "REDUCE_SCATTER", "ALLREDUCE", "BROADCAST")}
+    with multihost.TwoHosts() as hosts:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = hosts.torchrun(JOB, ["--mode", "collectives"], 2,
+                                 env={"RESULT_DIR": tmp, **forced}, timeout=300)
+            reports = read_reports(tmp)
+    expect_reports(out, reports, range(4))
+    assert all(h.returncode == 0 for h in out), [h.output[-3000:] for h in out]
+
+
 def test_fully_shard_training_across_two_hosts_matches_gloo():
     with multihost.TwoHosts() as hosts:
         out, reports = run_job(hosts, ["--mode", "train", "--steps", "4"], 2, timeout=300)

@@ -20,15 +20,17 @@ pytestmark = pytest.mark.skipif(not multihost.available(),
                                 reason="needs root and iproute2 to create network namespaces")
 
 
-def run_job(hosts, args, ranks_per_host, reported=None, marker=False, **wait):
-    """Runs the job on both hosts; returns (per-host results, {rank: record}).
-    With `reported`, the job is over once those ranks have reported."""
+def run_job(hosts, args, ranks_per_host, reported=None, marker=False, env=None, **wait):
+    """Runs the job on both hosts (with `env` added to the ranks' environment);
+    returns (per-host results, {rank: record}). With `reported`, the job is
+    over once those ranks have reported."""
     with tempfile.TemporaryDirectory() as tmp:
         if marker:
             args = [*args, "--marker", os.path.join(tmp, "marker")]
         if reported is not None:
             wait["until"] = lambda: all(r in read_reports(tmp) for r in reported)
-        out = hosts.torchrun(JOB, args, ranks_per_host, env={"RESULT_DIR": tmp}, **wait)
+        out = hosts.torchrun(JOB, args, ranks_per_host, env={"RESULT_DIR": tmp, **(env or {})},
+                             **wait)
         return out, read_reports(tmp)
 
 
@@ -68,10 +70,7 @@ def test_every_collective_across_two_hosts_with_forced_algorithms(algorithm):
     forced = {f"FSDP_EXT_{op}_ALGO": algorithm
               for op in ("ALLGATHER", "REDUCE_SCATTER", "ALLREDUCE", "BROADCAST")}
     with multihost.TwoHosts() as hosts:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = hosts.torchrun(JOB, ["--mode", "collectives"], 2,
-                                 env={"RESULT_DIR": tmp, **forced}, timeout=300)
-            reports = read_reports(tmp)
+        out, reports = run_job(hosts, ["--mode", "collectives"], 2, env=forced, timeout=300)
     expect_reports(out, reports, range(4))
     assert all(h.returncode == 0 for h in out), [h.output[-3000:] for h in out]
 

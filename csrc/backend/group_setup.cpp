@@ -95,13 +95,6 @@ std::string why_no_shared_memory(comm::SharedMemoryDomain& domain,
   return "";
 }
 
-size_t distinct_hosts(const std::vector<PeerIdentity>& peers) {
-  std::vector<std::string> hosts;
-  for (const PeerIdentity& peer : peers) hosts.push_back(peer.host);
-  std::sort(hosts.begin(), hosts.end());
-  return static_cast<size_t>(std::unique(hosts.begin(), hosts.end()) - hosts.begin());
-}
-
 std::mutex& registry_mutex() {
   static std::mutex mutex;
   return mutex;
@@ -127,7 +120,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   size_t hosts = 0;
   // [0]: every peer's shared memory maps; [1]: process_vm_readv works too.
   auto shared_ok = std::make_shared<std::array<int32_t, 2>>();
-  std::vector<pid_t> pids(size);
+  std::vector<pid_t> pids;  // this host's ranks, by position (what the domain names)
   try {
     auto transport = std::make_unique<comm::Transport>(rank, size);
     pool_ = std::make_shared<comm::SharedBufferPool>(transport->context());
@@ -141,12 +134,9 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     for (const auto& blob : exchange_addresses(*store, rank, size, serialize(mine))) {
       peers.push_back(deserialize_peer_identity(blob));
       addresses.push_back(peers.back().worker_address);
-      pids[peers.size() - 1] = peers.back().pid;
     }
     transport->connect(addresses);
     const comm::HostTopology topology = host_topology(peers, rank);
-    // The domain names peers by their position on this host.
-    pids.clear();
     for (int peer : topology.hosts[topology.host]) pids.push_back(peers[peer].pid);
     no_shared_memory = why_no_shared_memory(*shared_memory_, peers, topology,
                                             environment.shared_memory);
@@ -159,7 +149,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     } else {
       no_process_reads = "no shared memory";
     }
-    hosts = distinct_hosts(peers);
+    hosts = topology.hosts.size();
     (*shared_ok)[0] = no_shared_memory.empty() ? 1 : 0;
     (*shared_ok)[1] = (*shared_ok)[0] && no_process_reads.empty() ? 1 : 0;
     // Peers on other hosts are watched through an idle TCP connection each;

@@ -17,7 +17,8 @@
 namespace fsdp_ext::comm {
 namespace {
 
-// epoll data: the low 32 bits say which fd fired, a pidfd carries its rank.
+// epoll data: which fd fired; a watched peer's fd carries kWatchedBase plus
+// its index in watched_.
 constexpr uint64_t kWorkerFd = 1;
 constexpr uint64_t kSubmitFd = 2;
 constexpr uint64_t kAbortFd = 3;
@@ -107,7 +108,7 @@ void EngineWakeup::sleep(Clock::time_point until, bool wake_on_submit) {
   epoll_event events[8];
   const int epoll = wake_on_submit ? idle_epoll_.get() : busy_epoll_.get();
   // epoll_pwait2 takes a nanosecond timeout: the short slices used while
-  // sends are pending would round up to a whole millisecond otherwise.
+  // requests are pending would round up to a whole millisecond otherwise.
   int count = epoll_pwait2(epoll, events, 8, &timeout, nullptr);
   if (count < 0 && errno == ENOSYS) {
     const int millis = static_cast<int>(std::min<int64_t>((nanos + 999999) / 1000000, 100));

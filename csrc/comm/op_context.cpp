@@ -1,8 +1,6 @@
 #include "comm/op_context.h"
 
 #include "comm/error.h"
-
-#include "comm/error.h"
 #include "comm/progress_engine.h"
 #include "comm/scratch_arena.h"
 #include "comm/shared_memory_domain.h"
@@ -72,12 +70,13 @@ void OpContext::wait_one(std::vector<Request>& requests, size_t index) {
 void* OpContext::scratch(size_t bytes) { return scratch_.allocate(bytes); }
 
 SharedMemoryDomain* OpContext::shared_memory() const {
-  SharedMemoryDomain* domain =
-      members_ ? sub_shared_memory_ : engine_.config().shared_memory.get();
+  if (members_) {
+    return sub_shared_memory_ && sub_shared_memory_->enabled() ? sub_shared_memory_ : nullptr;
+  }
   // A group over several hosts enables its domain for each host's ranks:
   // only a phase within one host may use it.
-  if (!members_ && engine_.config().topology.hosts.size() > 1) return nullptr;
-  return domain && domain->enabled() ? domain : nullptr;
+  if (engine_.config().topology.hosts.size() > 1) return nullptr;
+  return shared_memory_of_host();
 }
 
 void OpContext::begin_next_collective() {

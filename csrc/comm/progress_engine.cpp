@@ -249,7 +249,6 @@ void ProgressEngine::run_op(EngineOp& op) {
   }
   {
     std::lock_guard<std::mutex> lock(activity_mutex_);
-    ++activity_.ops_started;
     if (op.collective) {
       activity_.in_collective = true;
       activity_.seq = seq;
@@ -396,9 +395,10 @@ void ProgressEngine::wait_for(const std::string& description, Clock::time_point 
     // waiting for the deadline on the others.
     for (Request& request : requests) {
       if (request.finished && request.status != UCS_OK) {
+        // A peer that was lost explains the failure better than UCX's status.
+        if (!check_peers().empty()) fail(ErrorKind::kPeerLost, description + ": " + peer_lost_);
         Request failed = request;
         orphan_unfinished(requests, running_ ? running_->keepalive : nullptr, true);
-        if (!check_peers().empty()) throw CommError(ErrorKind::kPeerLost, description + ": " + peer_lost_);
         check_finished_request(failed, description);
       }
     }

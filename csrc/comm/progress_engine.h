@@ -70,7 +70,6 @@ struct EngineActivity {
   bool in_collective = false;
   uint64_t seq = 0;           // the running collective, or the last one begun
   std::string op;             // its name
-  uint64_t ops_started = 0;   // every op begun so far (collectives and p2p)
 };
 
 // Which ranks share a host, when a group spans several: hosts[h] lists the

@@ -109,8 +109,14 @@ void ProgressEngine::shutdown() {
 
 void ProgressEngine::abort(const std::string& reason) {
   {
+    // The reason is written before the flag is raised (release) and never
+    // again: the progress thread reads it, without the lock, only after it
+    // has seen the flag (found by ThreadSanitizer when the order was reversed).
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!aborting_.exchange(true)) abort_reason_ = reason;
+    if (!aborting_.load(std::memory_order_relaxed)) {
+      abort_reason_ = reason;
+      aborting_.store(true, std::memory_order_release);
+    }
   }
   wakeup_->notify_abort();
   shutdown();

@@ -204,7 +204,7 @@ class ProgressEngine {
   std::string broken_reason_;
   bool stop_requested_ = false;
   std::atomic<bool> aborting_{false};
-  std::string abort_reason_;
+  std::string abort_reason_;  // set once, before aborting_ (see abort())
   bool shut_down_ = false;
 
   mutable std::mutex activity_mutex_;

@@ -126,11 +126,11 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
   }
   results.exchange();
   for (size_t m = 0; m < bucket.size(); ++m) {
-    std::memcpy(blocks[m][r].data, reduced_blocks[m].data, reduced_blocks[m].bytes);
+    // copy_if_distinct skips empty blocks, whose pointers may be null (an
+    // empty member), which memcpy must not be given even for 0 bytes.
+    detail::copy_if_distinct(blocks[m][r].data, reduced_blocks[m].data, reduced_blocks[m].bytes);
     for (int p = 0; p < n; ++p) {
-      if (p != r && blocks[m][p].bytes != 0) {
-        std::memcpy(blocks[m][p].data, results.source(p, m), blocks[m][p].bytes);
-      }
+      if (p != r) detail::copy_if_distinct(blocks[m][p].data, results.source(p, m), blocks[m][p].bytes);
     }
   }
   results.finish();

@@ -1,5 +1,6 @@
 #include "comm/shared_buffer_pool.h"
 
+#include <algorithm>
 #include <string>
 
 #include "comm/error.h"
@@ -11,8 +12,10 @@ size_t shared_size_class(size_t bytes) {
   if (bytes <= kSmallest) return kSmallest;
   size_t power = kSmallest;
   while (power * 2 < bytes) power *= 2;
-  // bytes is in (power, 2 * power]: pick the first quarter step that fits.
-  const size_t step = power / 4;
+  // bytes is in (power, 2 * power]: pick the first quarter step that fits,
+  // but never a fraction of a page: segments are mapped in whole pages, and
+  // sub-page classes would keep separate free lists for the same memory.
+  const size_t step = std::max(power / 4, kSmallest);
   return (bytes + step - 1) / step * step;
 }
 

@@ -82,7 +82,9 @@ class SharedBufferPool {
   size_t reuses_ = 0;
 };
 
-// Size classes: 4 KiB, then four steps per power of two (at most 25 % slack).
+// Size classes: whole pages (what a segment maps anyway), four steps per
+// power of two from 16 KiB (at most 25 % slack there); below, 4, 8, 12 and
+// 16 KiB.
 size_t shared_size_class(size_t bytes);
 
 }  // namespace fsdp_ext::comm

@@ -1,5 +1,7 @@
 #include "backend/environment.hpp"
 
+#include "comm/algorithm_selection.h"
+
 #include <c10/util/Exception.h>
 
 #include <array>
@@ -18,10 +20,6 @@ constexpr std::array<const char*, 8> kKnownVariables = {
     "FSDP_EXT_PROCESS_READS",    "FSDP_EXT_ALLGATHER_ALGO", "FSDP_EXT_REDUCE_SCATTER_ALGO",
     "FSDP_EXT_ALLREDUCE_ALGO",   "FSDP_EXT_BROADCAST_ALGO",
 };
-constexpr std::array<const char*, 4> kAlgorithmVariables = {
-    "FSDP_EXT_ALLGATHER_ALGO", "FSDP_EXT_REDUCE_SCATTER_ALGO", "FSDP_EXT_ALLREDUCE_ALGO",
-    "FSDP_EXT_BROADCAST_ALGO"};
-
 std::string known_list() {
   std::string out;
   for (const char* name : kKnownVariables) out += (out.empty() ? "" : ", ") + std::string(name);
@@ -62,14 +60,11 @@ BackendEnvironment read_environment(const std::string& where) {
     TORCH_CHECK_VALUE(known, where, "unknown variable ", name, " in the environment; the "
                       "backend reads ", known_list());
   }
-  for (const char* variable : kAlgorithmVariables) {
+  for (const char* variable : comm::kForcedAlgorithmVariables) {
     const char* value = std::getenv(variable);
     if (value == nullptr || value[0] == '\0') continue;
-    const std::string_view choice(value);
-    TORCH_CHECK_VALUE(choice == "auto" || choice == "direct" || choice == "ring" ||
-                          choice == "shm",
-                      where, variable, "='", value,
-                      "' is not valid; expected auto, direct, ring or shm");
+    TORCH_CHECK_VALUE(comm::is_forced_algorithm_name(value), where, variable, "='", value,
+                      "' is not valid; expected ", comm::kForcedAlgorithmValues);
   }
   BackendEnvironment out;
   out.spin = microseconds("FSDP_EXT_SPIN_US", 100, where);

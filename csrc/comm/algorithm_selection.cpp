@@ -1,7 +1,6 @@
 #include "comm/algorithm_selection.h"
 
 #include <cstdlib>
-#include <cstring>
 
 namespace fsdp_ext::comm {
 namespace {
@@ -17,13 +16,22 @@ constexpr size_t kSharedMemoryMinBytes = 32 << 10;
 
 enum class Forced { kAuto, kDirect, kRing, kSharedMemory };
 
+// Exact, case-sensitive names; anything else is not a forced algorithm.
+bool parse_forced(std::string_view value, Forced& out) {
+  if (value == "auto") return out = Forced::kAuto, true;
+  if (value == "direct") return out = Forced::kDirect, true;
+  if (value == "ring") return out = Forced::kRing, true;
+  if (value == "shm") return out = Forced::kSharedMemory, true;
+  return false;
+}
+
 Forced forced(const char* variable) {
   const char* value = std::getenv(variable);
-  if (value == nullptr) return Forced::kAuto;
-  if (std::strcmp(value, "direct") == 0) return Forced::kDirect;
-  if (std::strcmp(value, "ring") == 0) return Forced::kRing;
-  if (std::strcmp(value, "shm") == 0) return Forced::kSharedMemory;
-  return Forced::kAuto;
+  Forced choice = Forced::kAuto;
+  // Unset, empty or (refused at group creation, so unreachable from the
+  // backend) unknown: the automatic choice.
+  if (value != nullptr) parse_forced(value, choice);
+  return choice;
 }
 
 // The common shape: shared memory above a threshold when the group has it;
@@ -50,6 +58,11 @@ Algorithm ring_for_large(size_t bytes, int group_size) {
 }
 
 }  // namespace
+
+bool is_forced_algorithm_name(std::string_view value) {
+  Forced ignored;
+  return parse_forced(value, ignored);
+}
 
 const char* algorithm_name(Algorithm algorithm) {
   switch (algorithm) {

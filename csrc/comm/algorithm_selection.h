@@ -19,10 +19,20 @@
 #pragma once
 
 #include <cstddef>
+#include <string_view>
 
 namespace fsdp_ext::comm {
 
 enum class Algorithm { kDirect, kRing, kSharedMemory };
+
+// The FSDP_EXT_*_ALGO variables and the values they accept. The backend
+// rejects any other value at group creation (read_environment); here an
+// unset or empty variable means "auto".
+constexpr const char* kForcedAlgorithmVariables[] = {
+    "FSDP_EXT_ALLGATHER_ALGO", "FSDP_EXT_REDUCE_SCATTER_ALGO", "FSDP_EXT_ALLREDUCE_ALGO",
+    "FSDP_EXT_BROADCAST_ALGO"};
+constexpr const char* kForcedAlgorithmValues = "auto, direct, ring or shm";
+bool is_forced_algorithm_name(std::string_view value);
 
 const char* algorithm_name(Algorithm algorithm);
 

@@ -6,29 +6,12 @@
 #include <string>
 
 #include "comm/algorithm_selection.h"
+#include "scoped_variable.h"
 
 namespace fsdp_ext::comm {
 namespace {
 
-// Sets an environment variable for one test, restoring it afterwards.
-class ScopedVariable {
- public:
-  ScopedVariable(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
-    setenv(name, value, 1);
-  }
-  ~ScopedVariable() {
-    if (had_) {
-      setenv(name_.c_str(), old_.c_str(), 1);
-    } else {
-      unsetenv(name_.c_str());
-    }
-  }
-
- private:
-  std::string name_, old_;
-  bool had_ = false;
-};
+using testing::ScopedVariable;
 
 constexpr size_t KiB = 1024, MiB = 1024 * KiB;
 
@@ -74,6 +57,19 @@ TEST(AlgorithmSelection, ForcedByVariable) {
   // Each variable governs its own collective only.
   ScopedVariable forced("FSDP_EXT_ALLGATHER_ALGO", "ring");
   EXPECT_EQ(select_reduce_scatter(8, 2, false), Algorithm::kDirect);
+}
+
+TEST(AlgorithmSelection, ForcedNamesAreExact) {
+  for (const char* name : {"auto", "direct", "ring", "shm"}) {
+    EXPECT_TRUE(is_forced_algorithm_name(name)) << name;
+  }
+  // What the backend refuses at group creation, naming the variable.
+  for (const char* name : {"", "Ring", "ring ", "tree", "shared_memory", "0"}) {
+    EXPECT_FALSE(is_forced_algorithm_name(name)) << "'" << name << "'";
+  }
+  // Should a bad name ever reach selection, it means the automatic choice.
+  ScopedVariable forced("FSDP_EXT_ALLGATHER_ALGO", "tree");
+  EXPECT_EQ(select_allgather(64 * MiB, 4, false), Algorithm::kRing);
 }
 
 TEST(AlgorithmSelection, Names) {

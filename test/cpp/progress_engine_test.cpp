@@ -1,0 +1,228 @@
+// The progress engine's failure paths with ranks as threads: a collective a
+// peer never joins times out with a message naming what it waited for and
+// leaves the group refusing work; abort() fails the running and queued ops
+// at once; shutdown() finishes what can finish, fails pending point-to-point
+// ops, and refuses ops submitted afterwards.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <future>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/algorithms/algorithms.h"
+#include "comm/error.h"
+#include "loopback_group.h"
+
+namespace fsdp_ext::comm {
+namespace {
+
+using testing::LoopbackGroup;
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+
+testing::RankBody allreduce_of(std::vector<std::vector<float>>& data) {
+  return [&data](int r, OpContext& context) {
+    allreduce(context, MutableSpan{data[r].data(), data[r].size() * sizeof(float)},
+              ReduceSpec{DataType::kFloat32, ReduceKind::kSum});
+  };
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+OpOutcome wait_outcome(std::future<OpOutcome>& future, milliseconds budget) {
+  if (future.wait_for(budget) != std::future_status::ready) {
+    ADD_FAILURE() << "the op did not complete within " << budget.count() << " ms";
+    std::abort();
+  }
+  return future.get();
+}
+
+TEST(ProgressEngine, ACollectiveAPeerNeverJoinsTimesOutAndBreaksTheGroup) {
+  LoopbackGroup group(3);
+  std::vector<std::vector<float>> data(3, std::vector<float>(16, 1.0f));
+  // Ranks 0 and 1 enter; rank 2 never does.
+  const auto start = Clock::now();
+  std::vector<std::future<OpOutcome>> futures;
+  for (int r = 0; r < 2; ++r) {
+    futures.push_back(group.submit(r, "allreduce", allreduce_of(data), milliseconds(300)));
+  }
+  const auto outcomes = LoopbackGroup::collect(futures, milliseconds(300));
+  const auto took = Clock::now() - start;
+  EXPECT_GE(took, milliseconds(290));
+  EXPECT_LT(took, milliseconds(5000));
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_FALSE(outcomes[r].ok);
+    EXPECT_EQ(outcomes[r].kind, ErrorKind::kTimeout);
+    const std::string& message = outcomes[r].message;
+    EXPECT_TRUE(contains(message, "fsdp_ext allreduce (group 'loopback', rank " +
+                                      std::to_string(r) + "/3, op #1)"))
+        << message;
+    EXPECT_TRUE(contains(message, "timed out after 300 ms")) << message;
+    // Names the peer it still waits for.
+    EXPECT_TRUE(contains(message, "receive from rank 2")) << message;
+  }
+  // Peers may still be in that op: the group refuses further collectives.
+  auto next = group.submit(0, "broadcast", [](int, OpContext& context) {
+    char byte = 0;
+    broadcast(context, MutableSpan{&byte, 1}, 0);
+  });
+  const OpOutcome refused = wait_outcome(next, milliseconds(5000));
+  EXPECT_FALSE(refused.ok);
+  EXPECT_EQ(refused.kind, ErrorKind::kBroken);
+  EXPECT_TRUE(contains(refused.message, "unusable after an earlier failure")) << refused.message;
+  EXPECT_TRUE(contains(refused.message, "timed out")) << refused.message;
+  EXPECT_FALSE(group.engine(0).broken_reason().empty());
+  EXPECT_TRUE(group.engine(2).broken_reason().empty());
+}
+
+TEST(ProgressEngine, AbortFailsTheRunningAndQueuedOpsAtOnce) {
+  LoopbackGroup group(2);
+  std::vector<std::vector<float>> data(2, std::vector<float>(8191, 1.0f));
+  // Rank 0 waits (up to a minute) for rank 1, which never comes; a second op
+  // is queued behind it.
+  auto running = group.submit(0, "allreduce", allreduce_of(data), milliseconds(60000));
+  auto queued = group.submit(0, "allreduce", allreduce_of(data), milliseconds(60000));
+  std::this_thread::sleep_for(milliseconds(50));
+  const auto start = Clock::now();
+  group.engine(0).abort("the test aborted the group");
+  EXPECT_LT(Clock::now() - start, milliseconds(5000));  // abort() returns promptly
+  for (auto* future : {&running, &queued}) {
+    const OpOutcome outcome = wait_outcome(*future, milliseconds(5000));
+    EXPECT_FALSE(outcome.ok);
+    EXPECT_EQ(outcome.kind, ErrorKind::kAborted);
+    EXPECT_TRUE(contains(outcome.message, "aborted (the test aborted the group)"))
+        << outcome.message;
+  }
+  // After abort the engine is shut down: new ops are refused, not queued.
+  auto late = group.submit(0, "barrier", [](int, OpContext& context) { barrier(context); });
+  const OpOutcome refused = wait_outcome(late, milliseconds(1000));
+  EXPECT_FALSE(refused.ok);
+  EXPECT_EQ(refused.kind, ErrorKind::kAborted);
+  EXPECT_TRUE(contains(refused.message, "already shut down")) << refused.message;
+}
+
+TEST(ProgressEngine, AbortAfterAStreamOfOpsFailsOnlyWhatIsLeft) {
+  // Rank 0 submits 5 all-reduces, rank 1 submits 10: rank 1's first five
+  // complete with rank 0's, its sixth waits for a peer that never comes and
+  // the rest queue behind it. Aborting rank 1 then fails exactly those five.
+  LoopbackGroup group(2);
+  std::vector<std::vector<float>> data(2, std::vector<float>(100000, 1.0f));
+  std::vector<std::future<OpOutcome>> futures[2];
+  for (int r = 0; r < 2; ++r) {
+    for (int i = 0; i < (r == 0 ? 5 : 10); ++i) {
+      futures[r].push_back(group.submit(r, "allreduce", allreduce_of(data), milliseconds(60000)));
+    }
+  }
+  for (auto& future : futures[0]) {
+    const OpOutcome outcome = wait_outcome(future, milliseconds(30000));
+    EXPECT_TRUE(outcome.ok) << outcome.message;
+  }
+  for (int i = 0; i < 5; ++i) {
+    const OpOutcome outcome = wait_outcome(futures[1][i], milliseconds(30000));
+    EXPECT_TRUE(outcome.ok) << outcome.message;
+  }
+  group.engine(1).abort("stop midway");
+  for (int i = 5; i < 10; ++i) {
+    const OpOutcome outcome = wait_outcome(futures[1][i], milliseconds(5000));
+    EXPECT_FALSE(outcome.ok) << "op " << i;
+    EXPECT_EQ(outcome.kind, ErrorKind::kAborted) << outcome.message;
+  }
+  // 2^5 after five sums of two ranks' equal buffers.
+  EXPECT_EQ(data[0][0], 32.0f);
+}
+
+TEST(ProgressEngine, ShutdownFinishesQueuedCollectivesThatCanComplete) {
+  LoopbackGroup group(2);
+  std::vector<std::vector<float>> data(2, std::vector<float>(3, 2.0f));
+  std::vector<std::future<OpOutcome>> futures;
+  for (int r = 0; r < 2; ++r) {
+    futures.push_back(group.submit(r, "allreduce", allreduce_of(data), milliseconds(30000)));
+  }
+  // Shut both down at once while the op may still be queued or running.
+  std::thread other([&] { group.engine(1).shutdown(); });
+  group.engine(0).shutdown();
+  other.join();
+  for (auto& future : futures) {
+    const OpOutcome outcome = wait_outcome(future, milliseconds(1000));
+    EXPECT_TRUE(outcome.ok) << outcome.message;
+  }
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(data[r], std::vector<float>(3, 4.0f));
+  group.engine(0).shutdown();  // idempotent
+}
+
+TEST(ProgressEngine, ShutdownFailsPendingPointToPointOps) {
+  LoopbackGroup group(2);
+  int32_t never_sent = 0;
+  // A receive nobody will match, posted and left to complete in the
+  // background as dist.irecv does.
+  auto receive = group.submit(
+      0, "recv",
+      [&](int, OpContext& context) { context.detach(context.recv_user(1, 7, &never_sent, 4)); },
+      milliseconds(60000), /*collective=*/false);
+  std::this_thread::sleep_for(milliseconds(20));
+  group.engine(0).shutdown();
+  const OpOutcome outcome = wait_outcome(receive, milliseconds(1000));
+  EXPECT_FALSE(outcome.ok);
+  EXPECT_EQ(outcome.kind, ErrorKind::kAborted);
+  EXPECT_TRUE(contains(outcome.message, "shut down or aborted with this operation pending"))
+      << outcome.message;
+}
+
+TEST(ProgressEngine, PointToPointCompletesInTheBackgroundWhileCollectivesRun) {
+  // isend / irecv posted as ops of their own complete while a later
+  // collective runs, and a receive from any sender reports who sent.
+  LoopbackGroup group(2);
+  int32_t payload = 1234, received = 0;
+  auto receive = group.submit(
+      1, "recv",
+      [&](int, OpContext& context) { context.detach(context.recv_user(-1, 3, &received, 4)); },
+      milliseconds(30000), false);
+  auto send = group.submit(
+      0, "send",
+      [&](int, OpContext& context) { context.detach(context.send_user(1, 3, &payload, 4)); },
+      milliseconds(30000), false);
+  std::vector<std::vector<float>> data(2, std::vector<float>(5, 1.0f));
+  group.run_ok("allreduce", allreduce_of(data));
+  const OpOutcome received_outcome = wait_outcome(receive, milliseconds(30000));
+  const OpOutcome sent_outcome = wait_outcome(send, milliseconds(30000));
+  EXPECT_TRUE(received_outcome.ok) << received_outcome.message;
+  EXPECT_TRUE(sent_outcome.ok) << sent_outcome.message;
+  EXPECT_EQ(received, 1234);
+  EXPECT_EQ(received_outcome.source_rank, 0);
+}
+
+TEST(ProgressEngine, AReceiveLargerThanTheMessageSentIsAMismatch) {
+  LoopbackGroup group(2);
+  std::vector<char> small(10, 'x'), large(20, 0);
+  const auto outcomes = group.run(
+      "p2p sizes",
+      [&](int r, OpContext& context) {
+        std::vector<Request> requests;
+        if (r == 0) requests.push_back(context.send(1, 0, small.data(), small.size()));
+        if (r == 1) requests.push_back(context.recv(0, 0, large.data(), large.size()));
+        context.wait_all(requests);
+      },
+      milliseconds(5000));
+  EXPECT_TRUE(outcomes[0].ok) << outcomes[0].message;
+  ASSERT_FALSE(outcomes[1].ok);
+  EXPECT_EQ(outcomes[1].kind, ErrorKind::kMismatch) << outcomes[1].message;
+}
+
+TEST(ProgressEngine, CountsOpsAndSequenceNumbers) {
+  LoopbackGroup group(2);
+  std::vector<std::vector<float>> data(2, std::vector<float>(4, 1.0f));
+  for (int i = 0; i < 3; ++i) group.run_ok("allreduce", allreduce_of(data));
+  EXPECT_EQ(group.engine(0).ops_run(), 3u);
+  EXPECT_EQ(group.engine(0).sequences_used(), 3u);
+  const EngineActivity activity = group.engine(1).activity();
+  EXPECT_FALSE(activity.in_collective);
+  EXPECT_EQ(activity.seq, 3u);
+  EXPECT_EQ(activity.op, "allreduce");
+}
+
+}  // namespace
+}  // namespace fsdp_ext::comm

@@ -1,0 +1,156 @@
+// The shared-memory protocol's building block (algorithms/
+// shared_source_exchange.h) between ranks as threads: pieces in ordinary
+// memory are staged, pieces in pool buffers are read in place, large pieces
+// of copy-only exchanges are read with process_vm_readv, and sizes that
+// differ between ranks fail as a mismatch instead of a wrong read.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "comm/algorithms/shared_source_exchange.h"
+#include "comm/error.h"
+#include "loopback_group.h"
+
+namespace fsdp_ext::comm {
+namespace {
+
+using testing::LoopbackGroup;
+using testing::LoopbackOptions;
+
+uint8_t byte_of(int owner, int reader, size_t index) {
+  return static_cast<uint8_t>(owner * 59 + reader * 13 + index * 7 + 1);
+}
+
+// Every rank offers each peer three pieces: ordinary memory (3 + reader
+// bytes), a pool buffer (5000 bytes) and an empty piece; every rank reads
+// them back through source() and checks each byte.
+TEST(SharedSourceExchange, StagedInPlaceAndEmptyPiecesReadBack) {
+  constexpr int n = 3;
+  LoopbackGroup group(n);
+  std::vector<std::vector<std::vector<uint8_t>>> ordinary(n, std::vector<std::vector<uint8_t>>(n));
+  std::vector<std::vector<uint8_t*>> pooled(n, std::vector<uint8_t*>(n, nullptr));
+  for (int owner = 0; owner < n; ++owner) {
+    for (int reader = 0; reader < n; ++reader) {
+      ordinary[owner][reader].resize(3 + reader);
+      for (size_t i = 0; i < ordinary[owner][reader].size(); ++i) {
+        ordinary[owner][reader][i] = byte_of(owner, reader, i);
+      }
+      pooled[owner][reader] = static_cast<uint8_t*>(group.pool(owner).allocate(5000));
+      for (size_t i = 0; i < 5000; ++i) pooled[owner][reader][i] = byte_of(owner, reader, i + 100);
+    }
+  }
+  // mismatches[reader][owner]: bytes that differed (checked on the progress
+  // thread, before finish() lets the owner go on).
+  std::vector<std::vector<int>> mismatches(n, std::vector<int>(n, -1));
+  group.run_ok("exchange", [&](int r, OpContext& context) {
+    SharedSourceExchange exchange(context, *context.shared_memory(), /*first_step=*/0);
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      exchange.offer(p, {ConstSpan{ordinary[r][p].data(), ordinary[r][p].size()},
+                         ConstSpan{pooled[r][p], 5000}, ConstSpan{nullptr, 0}});
+      exchange.expect(p, {static_cast<size_t>(3 + r), 5000, 0});
+    }
+    exchange.exchange();
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      int wrong = 0;
+      const uint8_t* first = reinterpret_cast<const uint8_t*>(exchange.source(p, 0));
+      for (int i = 0; i < 3 + r; ++i) wrong += first[i] != byte_of(p, r, i);
+      const uint8_t* second = reinterpret_cast<const uint8_t*>(exchange.source(p, 1));
+      for (size_t i = 0; i < 5000; ++i) wrong += second[i] != byte_of(p, r, i + 100);
+      wrong += exchange.source(p, 2) != nullptr;  // empty pieces have no source
+      mismatches[r][p] = wrong;
+    }
+    exchange.finish();
+  });
+  for (int r = 0; r < n; ++r) {
+    for (int p = 0; p < n; ++p) {
+      if (p != r) {
+        EXPECT_EQ(mismatches[r][p], 0) << "rank " << r << " reading rank " << p;
+      }
+    }
+    // Two ordinary pieces staged (one per peer), two pool buffers in place.
+    EXPECT_EQ(group.domain(r).pieces_staged(), 2u);
+    EXPECT_EQ(group.domain(r).pieces_offered_in_place(), 2u);
+    for (int p = 0; p < n; ++p) {
+      if (p != r) group.pool(r).release(pooled[r][p]);
+    }
+  }
+}
+
+// Copy-only exchanges (broadcast, all-gather into ordinary tensors) offer
+// pieces of 1 MiB and more as process memory when process reads are on, and
+// stage them otherwise; copy_out gives the same bytes either way.
+void copy_only_round_trip(bool process_reads) {
+  LoopbackOptions options;
+  options.process_reads = process_reads;
+  LoopbackGroup group(2, options);
+  const size_t bytes = (1 << 20) + 3;
+  std::vector<std::vector<uint8_t>> sources(2, std::vector<uint8_t>(bytes));
+  std::vector<std::vector<uint8_t>> copies(2, std::vector<uint8_t>(bytes, 0));
+  for (int r = 0; r < 2; ++r) {
+    for (size_t i = 0; i < bytes; ++i) sources[r][i] = byte_of(r, 1 - r, i);
+  }
+  group.run_ok("copy-only exchange", [&](int r, OpContext& context) {
+    SharedSourceExchange exchange(context, *context.shared_memory(), 0, 0, /*copy_only=*/true);
+    exchange.offer(1 - r, {ConstSpan{sources[r].data(), bytes}});
+    exchange.expect(1 - r, {bytes});
+    exchange.exchange();
+    exchange.copy_out(1 - r, 0, copies[r].data());
+    exchange.finish();
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(std::memcmp(copies[r].data(), sources[1 - r].data(), bytes), 0) << "rank " << r;
+    EXPECT_EQ(group.domain(r).pieces_offered_for_process_reads(), process_reads ? 1u : 0u);
+    EXPECT_EQ(group.domain(r).pieces_staged(), process_reads ? 0u : 1u);
+  }
+}
+
+TEST(SharedSourceExchange, CopyOnlyLargePiecesAreReadAsProcessMemory) { copy_only_round_trip(true); }
+
+TEST(SharedSourceExchange, CopyOnlyWithoutProcessReadsStages) { copy_only_round_trip(false); }
+
+TEST(SharedSourceExchange, SizesThatDifferBetweenRanksAreAMismatch) {
+  LoopbackGroup group(2);
+  std::vector<uint8_t> memory(64, 1);
+  const auto outcomes = group.run(
+      "exchange mismatch",
+      [&](int r, OpContext& context) {
+        SharedSourceExchange exchange(context, *context.shared_memory(), 0);
+        exchange.offer(1 - r, {ConstSpan{memory.data(), r == 0 ? size_t{64} : size_t{63}}});
+        exchange.expect(1 - r, {64});
+        exchange.exchange();
+        exchange.finish();
+      },
+      std::chrono::milliseconds(2000));
+  // Rank 0 expected 64 bytes from rank 1, which offered 63.
+  ASSERT_FALSE(outcomes[0].ok);
+  EXPECT_EQ(outcomes[0].kind, ErrorKind::kMismatch);
+  EXPECT_NE(outcomes[0].message.find("rank 1 has 63 bytes for tensor 0 but this rank expects 64"),
+            std::string::npos)
+      << outcomes[0].message;
+  EXPECT_NE(outcomes[0].message.find("exchange mismatch"), std::string::npos);
+}
+
+TEST(SharedSourceExchange, ADifferentNumberOfPiecesIsAMismatchToo) {
+  LoopbackGroup group(2);
+  std::vector<uint8_t> memory(64, 1);
+  const auto outcomes = group.run(
+      "exchange piece count",
+      [&](int r, OpContext& context) {
+        SharedSourceExchange exchange(context, *context.shared_memory(), 0);
+        std::vector<ConstSpan> pieces(r == 0 ? 1 : 2, ConstSpan{memory.data(), 8});
+        exchange.offer(1 - r, pieces);
+        exchange.expect(1 - r, std::vector<size_t>(r == 0 ? 1 : 2, 8));
+        exchange.exchange();
+        exchange.finish();
+      },
+      std::chrono::milliseconds(2000));
+  for (int r = 0; r < 2; ++r) EXPECT_FALSE(outcomes[r].ok) << "rank " << r;
+  EXPECT_TRUE(outcomes[0].kind == ErrorKind::kMismatch || outcomes[1].kind == ErrorKind::kMismatch)
+      << outcomes[0].message << " / " << outcomes[1].message;
+}
+
+}  // namespace
+}  // namespace fsdp_ext::comm

@@ -1,5 +1,9 @@
 #include "comm/transport.h"
 
+#include <cstdio>
+#include <cstdlib>
+#include <set>
+#include <sstream>
 #include <string>
 
 #include "comm/error.h"
@@ -31,6 +35,33 @@ void Transport::connect(const std::vector<std::vector<uint8_t>>& addresses) {
     check_ucs(ucp_ep_create(worker_->get(), &params, &endpoints_[peer]),
               ("ucp_ep_create to rank " + std::to_string(peer)).c_str());
   }
+}
+
+std::vector<std::string> Transport::transports_to(int peer) const {
+  // ucp_ep_print_info writes lines like
+  //   "#                 lane[1]:  8:cma/memory.0 md[5] -> md[5]/cma/... rma_bw#0"
+  // to a FILE: capture them and keep the local "name/device" of each lane.
+  char* text = nullptr;
+  size_t length = 0;
+  FILE* stream = open_memstream(&text, &length);
+  if (stream == nullptr) return {};
+  ucp_ep_print_info(endpoints_[peer], stream);
+  std::fclose(stream);
+  std::set<std::string> found;
+  std::istringstream lines(std::string(text, length));
+  std::free(text);
+  for (std::string line; std::getline(lines, line);) {
+    const size_t lane = line.find("lane[");
+    if (lane == std::string::npos) continue;
+    // After "lane[i]:" comes "<resource index>:<name>/<device>.<n> ...".
+    const size_t colon = line.find(':', line.find("]:", lane) + 2);
+    if (colon == std::string::npos) continue;
+    const size_t end = line.find_first_of(" \t", colon);
+    std::string resource = line.substr(colon + 1, end - colon - 1);
+    if (const size_t dot = resource.rfind('.'); dot != std::string::npos) resource.resize(dot);
+    if (resource.find('/') != std::string::npos) found.insert(resource);
+  }
+  return {found.begin(), found.end()};
 }
 
 void Transport::post_send(Request& request, int peer, uint64_t tag,
@@ -130,14 +161,16 @@ void Transport::close_endpoints(std::chrono::milliseconds budget) {
       ucp_worker_progress(worker_->get());
     }
     if (ucp_request_check_status(request) == UCS_INPROGRESS) {
-      // A dead peer never acknowledges: leave the request to the worker's
-      // destruction rather than blocking process exit.
+      // A peer that stopped progressing (or is gone) never acknowledges:
+      // leave the request to the worker's destruction rather than block.
       ucp_request_cancel(worker_->get(), request);
       ucp_worker_progress(worker_->get());
     }
-    if (ucp_request_check_status(request) != UCS_INPROGRESS) {
-      ucp_request_free(request);
-    }
+    // Released even while in progress (UCX then frees it on completion or
+    // with the worker): an unreleased request makes ucp_worker_destroy fail
+    // an assertion and abort the process (found by a C++ test closing one
+    // endpoint of a TCP pair whose other worker did not progress).
+    ucp_request_free(request);
   }
   endpoints_.clear();
 }

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "comm/ucx_handles.h"
@@ -59,6 +60,12 @@ class Transport {
   // Arms the wakeup fd. Returns false when events are already pending, in
   // which case the caller must progress instead of sleeping.
   bool arm();
+
+  // The UCX transports the endpoint to `peer` uses, as "name/device" (e.g.
+  // "posix/memory", "cma/memory", "tcp/eth0"), sorted and without repeats;
+  // from ucp_ep_print_info, the only place UCX 1.13 reports them. Progress
+  // thread only, after the endpoint carried a message (lanes are final then).
+  std::vector<std::string> transports_to(int peer) const;
 
   // Flush-closes every endpoint, waiting at most `budget`, then force-closes
   // what is left. Safe to call twice.

@@ -1,0 +1,128 @@
+// Transport on its own: tagged messages between two workers of this process,
+// and the transports UCX picked for each endpoint (what the group's log line
+// reports).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/tag_scheme.h"
+#include "comm/transport.h"
+#include "scoped_variable.h"
+
+namespace fsdp_ext::comm {
+namespace {
+
+struct Pair {
+  std::vector<std::unique_ptr<Transport>> ranks;
+  Pair() {
+    std::vector<std::vector<uint8_t>> addresses;
+    for (int r = 0; r < 2; ++r) {
+      ranks.push_back(std::make_unique<Transport>(r, 2));
+      addresses.push_back(ranks.back()->worker_address());
+    }
+    for (auto& transport : ranks) transport->connect(addresses);
+  }
+  ~Pair() {
+    // Flush-closing needs the peer to progress too: both close at once, each
+    // worker on its own thread, and each goes away once closed, as ranks do.
+    auto close = [](std::unique_ptr<Transport>& transport) {
+      if (!transport) return;
+      transport->close_endpoints(std::chrono::milliseconds(2000));
+      transport.reset();
+    };
+    std::thread other([&] { close(ranks[1]); });
+    close(ranks[0]);
+    other.join();
+  }
+  // Progresses both workers until both requests finished (or 10 s passed).
+  bool complete(Request& a, Request& b) {
+    for (int spins = 0; spins < 10000000; ++spins) {
+      ranks[0]->progress();
+      ranks[1]->progress();
+      const bool done_a = ranks[0]->test(a) || a.finished;
+      const bool done_b = ranks[1]->test(b) || b.finished;
+      if (done_a && done_b) return true;
+    }
+    return false;
+  }
+};
+
+TEST(Transport, TaggedMessageOfAwkwardSizesArrive) {
+  Pair pair;
+  for (size_t bytes : {size_t{0}, size_t{1}, size_t{3}, size_t{8191}, size_t{1 << 20}}) {
+    std::vector<char> sent(bytes + 1, 'a'), received(bytes + 1, 0);
+    for (size_t i = 0; i < bytes; ++i) sent[i] = static_cast<char>(i * 31);
+    Request send, recv;
+    recv.peer = 0;
+    const uint64_t tag = tag::collective(1, 2, 0);
+    pair.ranks[1]->post_recv(recv, tag, tag::kMatchAll, received.data(), bytes);
+    pair.ranks[0]->post_send(send, 1, tag, sent.data(), bytes);
+    ASSERT_TRUE(pair.complete(send, recv)) << bytes << " bytes never arrived";
+    EXPECT_EQ(recv.status, UCS_OK);
+    EXPECT_EQ(recv.received, bytes);
+    EXPECT_EQ(std::memcmp(sent.data(), received.data(), bytes), 0) << bytes << " bytes";
+  }
+}
+
+TEST(Transport, ReportsTheTransportsOfEachEndpoint) {
+  Pair pair;
+  // Carry one message so the endpoint's lanes are wired up.
+  char byte = 1, into = 0;
+  Request send, recv;
+  recv.peer = 0;
+  pair.ranks[1]->post_recv(recv, 5, tag::kMatchAll, &into, 1);
+  pair.ranks[0]->post_send(send, 1, 5, &byte, 1);
+  ASSERT_TRUE(pair.complete(send, recv));
+  const std::vector<std::string> to_peer = pair.ranks[0]->transports_to(1);
+  ASSERT_FALSE(to_peer.empty());
+  for (const std::string& transport : to_peer) {
+    // "name/device", e.g. "posix/memory" or "tcp/lo".
+    EXPECT_NE(transport.find('/'), std::string::npos) << transport;
+    EXPECT_EQ(transport.find(' '), std::string::npos) << transport;
+  }
+  EXPECT_TRUE(std::is_sorted(to_peer.begin(), to_peer.end()));
+  // An endpoint to this worker itself (every rank has one) has lanes too.
+  EXPECT_FALSE(pair.ranks[0]->transports_to(0).empty());
+}
+
+TEST(Transport, ClosingWhileThePeerDoesNotProgressGivesUpWithinTheBudget) {
+  // Rank 1's worker is never progressed during rank 0's close: the flush
+  // cannot be acknowledged, and close_endpoints must return after its budget
+  // and leave nothing that makes destroying the worker abort.
+  testing::ScopedVariable tls("UCX_TLS", "tcp");
+  testing::ScopedVariable devices("UCX_NET_DEVICES", "lo");
+  auto pair = std::make_unique<Pair>();
+  char byte = 1, into = 0;
+  Request send, recv;
+  recv.peer = 0;
+  pair->ranks[1]->post_recv(recv, 5, tag::kMatchAll, &into, 1);
+  pair->ranks[0]->post_send(send, 1, 5, &byte, 1);
+  ASSERT_TRUE(pair->complete(send, recv));
+  const auto start = std::chrono::steady_clock::now();
+  pair->ranks[0]->close_endpoints(std::chrono::milliseconds(200));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  pair->ranks[0].reset();  // destroys the worker: must not abort
+  pair->ranks[1].reset();
+}
+
+TEST(Transport, ReportsTcpWhenThatIsAllUcxMayUse) {
+  // UCX reads UCX_TLS / UCX_NET_DEVICES when a context is created.
+  testing::ScopedVariable tls("UCX_TLS", "tcp");
+  testing::ScopedVariable devices("UCX_NET_DEVICES", "lo");
+  Pair pair;
+  char byte = 1, into = 0;
+  Request send, recv;
+  recv.peer = 0;
+  pair.ranks[1]->post_recv(recv, 5, tag::kMatchAll, &into, 1);
+  pair.ranks[0]->post_send(send, 1, 5, &byte, 1);
+  ASSERT_TRUE(pair.complete(send, recv));
+  EXPECT_EQ(pair.ranks[0]->transports_to(1), std::vector<std::string>{"tcp/lo"});
+}
+
+}  // namespace
+}  // namespace fsdp_ext::comm

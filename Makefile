@@ -23,13 +23,14 @@ system-deps:
 	  $(SUDO) apt-get update -qq && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 util-linux >/dev/null; \
 	fi
-	@if ! pkg-config --exists ucx 2>/dev/null; then \
-	  echo "== installing UCX (libucx-dev) from Debian"; \
+	@# cmake: CMakeLists.txt builds the extension (setup.py drives it).
+	@if ! pkg-config --exists ucx 2>/dev/null || ! command -v cmake >/dev/null; then \
+	  echo "== installing UCX (libucx-dev) and cmake from Debian"; \
 	  $(SUDO) apt-get update -qq && \
-	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libucx-dev ucx-utils pkg-config ccache >/dev/null; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libucx-dev ucx-utils pkg-config ccache cmake >/dev/null; \
 	fi
 
-# CMake and GoogleTest, for the C++ unit tests of the comm core.
+# GoogleTest (and CMake), for the C++ unit tests of the comm core.
 cpp-deps: system-deps
 	@if ! command -v cmake >/dev/null || ! dpkg -s libgtest-dev >/dev/null 2>&1; then \
 	  echo "== installing cmake and GoogleTest (libgtest-dev) from Debian"; \
@@ -64,6 +65,8 @@ $(VENV)/.installed:
 
 venv: system-deps $(VENV)/.installed
 
+# setup.py runs CMake in build/cmake-ext (Release, the extension only) and
+# puts _C*.so into torch_fsdp_ext/; a few seconds when nothing changed.
 build: venv
 	PATH=/usr/lib/ccache:$$PATH MAX_JOBS=2 $(PY) setup.py -q build_ext --inplace
 	@# Make the in-tree package importable from the venv (an editable install
@@ -82,4 +85,4 @@ bench: build
 	$(PY) benchmarks/fsdp_step.py
 
 clean:
-	rm -rf build torch_fsdp_ext/_C*.so
+	rm -rf build torch_fsdp_ext/_C*.so torch_fsdp_ext.egg-info

@@ -106,8 +106,15 @@ class TwoHosts:
         _run("ip", "-n", self.namespaces[host], "link", "set", LINK, "down")
 
     def popen(self, host, argv, env=None, **kwargs):
-        """Starts argv on `host` (its namespace and hostname), in a session of its own."""
-        command = ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "sh", "-c",
+        """Starts argv on `host`, in a session of its own.
+
+        A host is its own network namespace and hostname, and also its own
+        IPC and PID namespaces (with its own /proc): without them UCX finds
+        the other host's processes reachable through System V shared memory
+        and cross-memory attach, and "cross-host" traffic never touches the
+        network (seen in the group log line's transports)."""
+        command = ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "--ipc",
+                   "--pid", "--fork", "--mount-proc", "sh", "-c",
                    f'hostname {self.hostnames[host]} && exec "$@"', "sh", *argv]
         proc = subprocess.Popen(command, env=env, start_new_session=True, **kwargs)
         self._procs.append(proc)

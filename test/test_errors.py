@@ -295,8 +295,8 @@ def test_bad_tuning_variable_is_a_clear_error(pool2, variable, value, expected):
 @pytest.mark.parametrize("shared_memory", ["1", "0"])
 def test_group_creation_logs_one_line(tmp_path, shared_memory):
     """With TORCH_CPP_LOG_LEVEL=INFO every rank logs, per group, its rank,
-    the hosts, and whether shared memory and process reads are on, with the
-    reason when off."""
+    the hosts, whether shared memory and process reads are on, with the
+    reason when off, and the transports UCX chose."""
     script = tmp_path / "run.py"
     script.write_text(CLEAN_EXIT_SCRIPT)
     for attempt in range(3):
@@ -313,4 +313,9 @@ def test_group_creation_logs_one_line(tmp_path, shared_memory):
                     if shared_memory == "1" else
                     f"rank {rank}/2, 1 host, shared memory off (FSDP_EXT_SHARED_MEMORY=0), "
                     "process reads off (no shared memory)")
-        assert lines[0].endswith(expected), lines[0]
+        assert expected + ", UCX transports: " in lines[0], lines[0]
+        # What UCX chose to reach the peer on this host, e.g. "sysv/memory
+        # cma/memory (this host)" (the tests allow UCX_TLS=self,sm,tcp).
+        transports = lines[0].split("UCX transports: ")[1]
+        assert transports.endswith(" (this host)"), lines[0]
+        assert all("/" in name for name in transports[:-len(" (this host)")].split()), lines[0]

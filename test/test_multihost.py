@@ -7,6 +7,7 @@ multihost_job.py and reads every rank's JSON record back. Needs root for
 
 import json
 import os
+import re
 import tempfile
 import time
 
@@ -56,11 +57,22 @@ def expect_reports(host_results, reports, ranks):
 @pytest.mark.parametrize("ranks_per_host", [1, 2, 3])
 def test_every_collective_across_two_hosts(ranks_per_host):
     with multihost.TwoHosts() as hosts:
-        out, reports = run_job(hosts, ["--mode", "collectives"], ranks_per_host, timeout=300)
+        out, reports = run_job(hosts, ["--mode", "collectives"], ranks_per_host,
+                               env={"TORCH_CPP_LOG_LEVEL": "INFO"}, timeout=300)
     expect_reports(out, reports, range(2 * ranks_per_host))
     assert all(h.returncode == 0 for h in out), [h.output[-3000:] for h in out]
     assert {r["host"] for r in reports.values()} == set(hosts.hostnames)
     assert all(r["checked"] > 0 for r in reports.values())
+    # Each rank's log line for the default group: two hosts, and TCP over the
+    # link between them as what UCX chose for peers on the other host.
+    for h in out:
+        lines = [line for line in h.output.splitlines() if "fsdp_ext group '0'" in line]
+        assert len(lines) == ranks_per_host, h.output[-3000:]
+        for line in lines:
+            assert ", 2 hosts, " in line, line
+            assert re.search(r"UCX transports: .*tcp/\S+ \(other hosts\)$", line), line
+            if ranks_per_host > 1:
+                assert "(this host)" in line, line
 
 
 @pytest.mark.parametrize("algorithm", ["direct", "ring", "shm"])

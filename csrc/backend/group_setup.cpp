@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <set>
 #include <string>
 
 #include "backend/environment.hpp"
@@ -104,6 +105,29 @@ std::vector<FsdpExtBackend*>& registry() {
   return live;
 }
 
+// "UCX transports: sysv/memory cma/memory (this host), tcp/eth0 (other
+// hosts)": what UCX chose for this rank's endpoints to its peers (from the
+// progress thread, once every endpoint carried the init op's messages).
+std::string describe_transports(comm::OpContext& context, const std::vector<bool>& remote_peers) {
+  std::set<std::string> local, remote;
+  for (int peer = 0; peer < context.size(); ++peer) {
+    if (peer == context.rank()) continue;
+    for (std::string& transport : context.transports_to(peer)) {
+      (remote_peers[peer] ? remote : local).insert(std::move(transport));
+    }
+  }
+  auto joined = [](const std::set<std::string>& names, const char* where) {
+    std::string out;
+    for (const std::string& name : names) out += (out.empty() ? "" : " ") + name;
+    return out + " (" + where + ")";
+  };
+  if (local.empty() && remote.empty()) return "UCX transports: none (no peers)";
+  std::string out = "UCX transports: ";
+  if (!local.empty()) out += joined(local, "this host");
+  if (!remote.empty()) out += (local.empty() ? "" : ", ") + joined(remote, "other hosts");
+  return out;
+}
+
 }  // namespace
 
 FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
@@ -121,6 +145,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   // [0]: every peer's shared memory maps; [1]: process_vm_readv works too.
   auto shared_ok = std::make_shared<std::array<int32_t, 2>>();
   std::vector<pid_t> pids;  // this host's ranks, by position (what the domain names)
+  std::vector<bool> remote_peers;  // by rank: on another host
   try {
     auto transport = std::make_unique<comm::Transport>(rank, size);
     pool_ = std::make_shared<comm::SharedBufferPool>(transport->context());
@@ -156,12 +181,11 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     // one that cannot be reached is not watched (its loss then surfaces at
     // the op's timeout), which the group's log line says.
     std::vector<std::string> endpoints;
-    std::vector<bool> remote;
     for (const PeerIdentity& peer : peers) {
       endpoints.push_back(peer.liveness_endpoint);
-      remote.push_back(peer.host != peers[rank].host);
+      remote_peers.push_back(peer.host != peers[rank].host);
     }
-    liveness.connect(rank, endpoints, remote,
+    liveness.connect(rank, endpoints, remote_peers,
                      std::min(default_timeout_, std::chrono::milliseconds(10000)));
     for (int peer : liveness.missing()) unwatched_peers += " " + std::to_string(peer);
     comm::EngineConfig config;
@@ -195,13 +219,17 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   // timeout) rather than at the first collective, and agree on shared
   // memory: on only if every rank could map every other rank's memory.
   auto domain = shared_memory_;
+  auto transports = std::make_shared<std::string>();
   auto work = enqueue(init_label, c10d::OpType::BARRIER, nullptr, true, default_timeout_, {},
-                      {}, [shared_ok, domain, pids](comm::OpContext& context) {
+                      {}, [shared_ok, domain, pids, remote_peers, transports](
+                              comm::OpContext& context) {
                         comm::allreduce(context,
                                         comm::MutableSpan{shared_ok->data(), sizeof(*shared_ok)},
                                         comm::ReduceSpec{comm::DataType::kInt32,
                                                          comm::ReduceKind::kMin});
                         if ((*shared_ok)[0] == 1) domain->enable(pids, (*shared_ok)[1] == 1);
+                        // Endpoints are wired up now; their lanes are final.
+                        *transports = describe_transports(context, remote_peers);
                       });
   work->wait();
   // One line per group (TORCH_CPP_LOG_LEVEL=INFO): what was agreed and, where
@@ -215,6 +243,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
             << hosts << (hosts == 1 ? " host" : " hosts") << ", shared memory "
             << state((*shared_ok)[0] == 1, no_shared_memory) << ", process reads "
             << state((*shared_ok)[1] == 1, no_process_reads) << ((*shared_ok)[0] == 1 ? layout : "")
+            << ", " << *transports
             << (unwatched_peers.empty() ? ""
                                         : ", not watched for loss (unreachable):" + unwatched_peers);
   std::lock_guard<std::mutex> lock(registry_mutex());

@@ -83,6 +83,11 @@ class OpContext {
   // other groups and inside a phase.
   const HostTopology* hierarchy() const;
 
+  // The UCX transports the endpoint to `peer` uses (Transport::transports_to).
+  std::vector<std::string> transports_to(int peer) const {
+    return transport_.transports_to(global(peer));
+  }
+
   // A phase of a hierarchical op: `members` (global ranks, this one among
   // them) as a group of their own, with `shared_memory` the domain enabled
   // for exactly those ranks (or null). Reserves a block of sequence numbers

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,12 @@ struct Case {
   int hosts;
   bool shared_memory;
 };
+
+// How ctest and failure messages show a case.
+void PrintTo(const Case& c, std::ostream* out) {
+  *out << c.algorithm << ", " << c.ranks << " ranks, " << c.hosts << " host(s), shared memory "
+       << (c.shared_memory ? "on" : "off");
+}
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;

@@ -6,8 +6,8 @@
 //           blocks (each picks its own algorithm); each block is reduced once,
 //           by its owner.
 //   shm   : the same two phases through shared memory: each rank reduces its
-//           block of every member straight out of the peers' buffers into its
-//           staging slot, then copies the peers' reduced blocks back out.
+//           block of every member straight out of the peers' buffers, in
+//           place, then copies the peers' reduced blocks out of theirs.
 #include "comm/algorithm_selection.h"
 #include "comm/algorithms/algorithms.h"
 #include "comm/algorithms/hierarchical.h"
@@ -81,7 +81,9 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
   for (const AllreduceMember& member : bucket) {
     blocks.push_back(detail::split_blocks(member.data, element_size(member.spec.type), n));
   }
-  // Phase 1: reduce this rank's block of every member out of the peers' buffers.
+  // Phase 1: reduce this rank's block of every member out of the peers'
+  // buffers, in place. Peers read only their own block p of this rank's
+  // buffer, never block r, so block r can be overwritten while they read.
   SharedSourceExchange inputs(context, domain, 0, /*staging_slot=*/0);
   for (int p = 0; p < n; ++p) {
     if (p == r) continue;
@@ -96,27 +98,27 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
   }
   for (const AllreduceMember& member : bucket) detail::pre_scale_in_place(member.data, member.spec);
   inputs.exchange();
-  size_t reduced_bytes = 0;
-  for (size_t m = 0; m < bucket.size(); ++m) reduced_bytes += align_for_staging(blocks[m][r].bytes);
-  char* reduced = domain.staging(1, reduced_bytes);
-  std::vector<ConstSpan> reduced_blocks;
   std::vector<const void*> others;
   for (size_t m = 0; m < bucket.size(); ++m) {
-    const size_t bytes = blocks[m][r].bytes;
+    MutableSpan mine = blocks[m][r];
     others.clear();
     for (int p = 0; p < n; ++p) {
       if (p != r) others.push_back(inputs.source(p, m));
     }
     // Own block first, then the peers in rank order, as reduce-scatter does.
-    detail::reduce_sources(MutableSpan{reduced, bytes}, blocks[m][r].data, others, bucket[m].spec);
-    detail::post_scale(reduced, bytes, bucket[m].spec);
-    reduced_blocks.push_back(ConstSpan{reduced, bytes});
-    reduced += align_for_staging(bytes);
+    detail::reduce_sources(mine, mine.data, others, bucket[m].spec);
+    detail::post_scale(mine.data, mine.bytes, bucket[m].spec);
   }
-  // Phase 2: publish the reduced blocks and copy the peers' ones. A peer's
-  // phase-2 header also says it has finished reading this rank's buffers, so
-  // once every header is in, the buffers can be overwritten.
-  SharedSourceExchange results(context, domain, 2, /*staging_slot=*/1);
+  // Phase 2: every rank copies the peers' reduced blocks out of their
+  // buffers (in place for buffers from the pool; large ordinary blocks with
+  // process_vm_readv; the rest staged). A peer's phase-2 header also says it
+  // has finished reading this rank's buffers in phase 1, so once every header
+  // is in, blocks p can be overwritten.
+  SharedSourceExchange results(context, domain, 2, /*staging_slot=*/1, /*copy_only=*/true);
+  std::vector<ConstSpan> reduced_blocks;
+  for (size_t m = 0; m < bucket.size(); ++m) {
+    reduced_blocks.push_back(ConstSpan{blocks[m][r].data, blocks[m][r].bytes});
+  }
   for (int p = 0; p < n; ++p) {
     if (p == r) continue;
     std::vector<size_t> sizes;
@@ -126,11 +128,8 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
   }
   results.exchange();
   for (size_t m = 0; m < bucket.size(); ++m) {
-    // copy_if_distinct skips empty blocks, whose pointers may be null (an
-    // empty member), which memcpy must not be given even for 0 bytes.
-    detail::copy_if_distinct(blocks[m][r].data, reduced_blocks[m].data, reduced_blocks[m].bytes);
     for (int p = 0; p < n; ++p) {
-      if (p != r) detail::copy_if_distinct(blocks[m][p].data, results.source(p, m), blocks[m][p].bytes);
+      if (p != r) results.copy_out(p, m, blocks[m][p].data);
     }
   }
   results.finish();

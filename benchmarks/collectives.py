@@ -24,8 +24,11 @@ the output); the *_coalesced rows issue a bucket of 4 equal members inside
 dist._coalescing_manager (one fused op for fsdp_ext). Reports the median of
 the repeats (each repeat: two untimed ops, then the timed ones; the slowest
 rank's time), the bus bandwidth (the bytes
-each rank must move, nccl-tests' convention), ratios to gloo and to
-single-core memcpy at the same size. Writes benchmarks/results/collectives.json
+each rank must move, nccl-tests' convention), ratios to gloo, to single-core
+memcpy at the same size, and (one host) to the copy limit: what the same
+number of ranks get while all copy that many bytes out of a peer's freshly
+written memory at once (measure_limits; also the cross-core hand-off
+latency, the floor for small ops). Writes benchmarks/results/collectives.json
 and a plot of bus bandwidth against size, collectives.png, next to it.
 """
 
@@ -245,7 +248,30 @@ def measure_memcpy(sizes):
     return out
 
 
-def summarize(entry, memcpy):
+def measure_limits(sizes, world_sizes):
+    """The physical references of a shared-memory collective on this machine
+    (comm/memory_limits.h, in C++ with the GIL released):
+
+    copy[ws][bytes]  GB/s each of `ws` ranks gets while all copy `bytes` out of
+                     a peer's freshly written buffer at once -- what an
+                     all-gather's readers do; in-cache sizes and memory-bound
+                     sizes alike, on the cores this machine has;
+    handoff_us       the round trip of a flag between two cores: the least a
+                     small collective can cost (each rank must learn that its
+                     peer's data is ready, and the peer that it was read).
+    """
+    copy = {}
+    for world in world_sizes:
+        copy[world] = {}
+        for nbytes in sizes:
+            rounds = max(5, min(200, (256 << 20) // max(nbytes * world, 1)))
+            seconds = _C._concurrent_peer_copy_seconds(world, nbytes, rounds)
+            copy[world][nbytes] = nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+    handoff_us = _C._handoff_round_trip_ns(20000) / 1e3
+    return {"copy_GBps": copy, "handoff_round_trip_us": handoff_us}
+
+
+def summarize(entry, memcpy, limits=None):
     n, nbytes, op = entry["world_size"], entry["bytes"], entry["op"]
     med = {k: statistics.median(v) for k, v in entry["seconds"].items()}
     moved = nbytes * bus_factor(op, n)
@@ -266,13 +292,25 @@ def summarize(entry, memcpy):
     if "fsdp_ext+alloc" in med:
         row["fsdp_ext+alloc_worst_over_median"] = (max(entry["seconds"]["fsdp_ext+alloc"])
                                                    / med["fsdp_ext+alloc"])
+    if limits is not None:
+        # Against what ranks reading each other's memory can reach at this
+        # size (each rank copying the message once), and for latency against
+        # the cross-core hand-off.
+        limit = limits["copy_GBps"][n][nbytes]
+        row["copy_limit_GBps"] = limit
+        row["handoff_round_trip_us"] = limits["handoff_round_trip_us"]
+        for name in med:
+            if name != "gloo":
+                row[f"{name}_busbw_over_copy_limit"] = moved / med[name] / 1e9 / limit
+                row[f"{name}_over_handoff"] = med[name] * 1e6 / limits["handoff_round_trip_us"]
     return row
 
 
 def print_table(rows):
     header = (f"{'op':<34}{'ws':>3}{'size':>9}  {'algo':<7}{'ours us':>10}{'alloc us':>10}"
               f"{'gloo us':>11}{'speedup':>9}{'alloc x':>9}{'busbw':>8}{'alloc':>8}{'gloo':>7}"
-              f"{'memcpy':>8}{'%mcpy':>7}{'%alloc':>7}{'worst':>7}")
+              f"{'memcpy':>8}{'%mcpy':>7}{'%alloc':>7}{'limit':>7}{'%lim':>6}{'%limA':>6}"
+              f"{'worst':>7}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -289,16 +327,19 @@ def print_table(rows):
               f"{r['gloo_busbw_GBps']:>7.2f}{r['memcpy_GBps']:>8.1f}"
               f"{100 * r['fsdp_ext_busbw_over_memcpy']:>6.0f}%"
               f"{a('fsdp_ext+alloc_busbw_over_memcpy', '.0%'):>7}"
-              f"{r['fsdp_ext_worst_over_median']:>7.2f}")
+              + (f"{r['copy_limit_GBps']:>7.1f}{r['fsdp_ext_busbw_over_copy_limit']:>6.0%}"
+                 f"{a('fsdp_ext+alloc_busbw_over_copy_limit', '.0%'):>6}"
+                 if "copy_limit_GBps" in r else f"{'-':>7}{'-':>6}{'-':>6}")
+              + f"{r['fsdp_ext_worst_over_median']:>7.2f}")
 
 
-def plot(rows, memcpy, path, where="on one host (2 cores)"):
+def plot(rows, memcpy, path, where="on one host (2 cores)", limits=None):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ops = ["all_gather_into_tensor", "reduce_scatter_tensor"]
+    ops = ["all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast"]
     worlds = sorted({r["world_size"] for r in rows})
     fig, axes = plt.subplots(len(ops), len(worlds), figsize=(6 * len(worlds), 4.2 * len(ops)),
                              squeeze=False)
@@ -316,6 +357,10 @@ def plot(rows, memcpy, path, where="on one host (2 cores)"):
                     ax.plot(sizes, [r[key] for r in mine], style, color=color, label=label, ms=4)
             ax.plot(sorted(memcpy), [memcpy[s] for s in sorted(memcpy)], "k--",
                     label="single-core memcpy", lw=1)
+            if limits is not None and world in limits["copy_GBps"]:
+                copy = limits["copy_GBps"][world]
+                ax.plot(sorted(copy), [copy[s] for s in sorted(copy)], "k:", lw=1.5,
+                        label=f"copy limit: {world} ranks reading peers at once")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{op}, {world} ranks")
@@ -349,6 +394,10 @@ def main():
         name = "collectives.json" if args.hosts == 1 else "collectives_2hosts.json"
         args.output = os.path.join(results_dir, name)
     memcpy = measure_memcpy(sizes)
+    limits = None
+    if args.hosts == 1:
+        limits = measure_limits(sizes, args.world_sizes)
+        print(f"hand-off round trip between two cores: {limits['handoff_round_trip_us']:.2f} us")
     rows = []
     if args.hosts == 2:
         netem = {"rate_mbit": args.netem_rate_mbit, "delay_ms": args.netem_delay_ms}
@@ -357,16 +406,17 @@ def main():
             rows.extend(summarize(entry, memcpy) for entry in results)
     for world in (args.world_sizes if args.hosts == 1 else []):
         results = run_ranks(world, _worker, args.ops, sizes, args.repeats)
-        rows.extend(summarize(entry, memcpy) for entry in results)
+        rows.extend(summarize(entry, memcpy, limits) for entry in results)
     print_table(rows)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump({"rows": rows, "memcpy_GBps": memcpy, "repeats": args.repeats}, f, indent=1)
+        json.dump({"rows": rows, "memcpy_GBps": memcpy, "repeats": args.repeats,
+                   "limits": limits}, f, indent=1)
     png = os.path.splitext(args.output)[0] + ".png"
     where = "on one host (2 cores)" if args.hosts == 1 else \
         "across 2 emulated hosts (veth + TCP" + (", netem" if args.netem_rate_mbit or
                                                   args.netem_delay_ms else "") + ")"
-    plot(rows, memcpy, png, where)
+    plot(rows, memcpy, png, where, limits)
     print(f"\nwrote {args.output} and {png}")
 
 

@@ -8,6 +8,7 @@
 
 #include "backend/fsdp_ext_backend.hpp"
 #include "comm/algorithm_selection.h"
+#include "comm/memory_limits.h"
 #include "fsdp/copy_kernels.hpp"
 
 namespace py = pybind11;
@@ -83,6 +84,16 @@ PYBIND11_MODULE(_C, m) {
       "The algorithm fsdp_ext picks for `op` on a message of `bytes` (the\n"
       "all-gather output / reduce-scatter input / buffer) in a group of `group_size`\n"
       "whose ranks do (or do not) share memory.");
+
+  // The benchmark's physical references (comm/memory_limits.h).
+  m.def("_concurrent_peer_copy_seconds", &fsdp_ext::comm::concurrent_peer_copy_seconds,
+        py::arg("ranks"), py::arg("bytes"), py::arg("rounds"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Seconds (median round, slowest thread) for `ranks` threads to each copy `bytes`\n"
+        "out of the next one's freshly written buffer, all at once.");
+  m.def("_handoff_round_trip_ns", &fsdp_ext::comm::handoff_round_trip_ns,
+        py::arg("round_trips"), py::call_guard<py::gil_scoped_release>(),
+        "Median round trip (ns) of a flag passed between two threads through one cache line.");
 
   // FSDP copy kernels (the first pieces of the C++ FSDP runtime; see
   // csrc/fsdp/copy_kernels.hpp for the layouts).

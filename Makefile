@@ -83,6 +83,7 @@ demo: build
 bench: build
 	$(PY) benchmarks/collectives.py
 	$(PY) benchmarks/fsdp_step.py
+	$(PY) benchmarks/ddp_step.py
 
 clean:
 	rm -rf build torch_fsdp_ext/_C*.so torch_fsdp_ext.egg-info

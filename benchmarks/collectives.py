@@ -45,8 +45,7 @@ from torch_fsdp_ext import _C
 OPS = ["all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_into_tensor_coalesced",
        "reduce_scatter_tensor_coalesced", "all_reduce", "broadcast"]
 # Ops that get a run with buffers allocated from the group.
-ALLOC_OPS = {"all_gather_into_tensor", "reduce_scatter_tensor",
-             "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"}
+ALLOC_OPS = set(OPS)
 BUCKET_MEMBERS = 4
 
 
@@ -252,8 +251,9 @@ def measure_limits(sizes, world_sizes):
     """The physical references of a shared-memory collective on this machine
     (comm/memory_limits.h, in C++ with the GIL released):
 
-    copy[ws][bytes]  GB/s each of `ws` ranks gets while all copy `bytes` out of
-                     a peer's freshly written buffer at once -- what an
+    copy[ws][bytes]  GB/s per rank when `ws` ranks all copy `bytes` out of a
+                     peer's freshly written buffer at once (bytes over the
+                     best round, first start to last end) -- what an
                      all-gather's readers do; in-cache sizes and memory-bound
                      sizes alike, on the cores this machine has;
     handoff_us       the round trip of a flag between two cores: the least a
@@ -296,7 +296,8 @@ def summarize(entry, memcpy, limits=None):
         # Against what ranks reading each other's memory can reach at this
         # size (each rank copying the message once), and for latency against
         # the cross-core hand-off.
-        limit = limits["copy_GBps"][n][nbytes]
+        measured = limits["copy_GBps"][n]
+        limit = measured[min(measured, key=lambda size: abs(size - nbytes))]
         row["copy_limit_GBps"] = limit
         row["handoff_round_trip_us"] = limits["handoff_round_trip_us"]
         for name in med:

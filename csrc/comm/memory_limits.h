@@ -13,17 +13,18 @@
 
 namespace fsdp_ext::comm {
 
-// `ranks` threads, each copying `bytes` out of the next thread's buffer into
-// its own, all at once (what every rank of an all-gather does). Each round
-// starts together; returns the seconds of the slowest thread per round, the
-// median of `rounds` rounds. Buffers are touched by their owners first, and
-// one warm-up round runs, so sizes that fit the caches measure cache
-// transfers and larger ones memory bandwidth.
+// `ranks` threads, each copying `bytes` out of the next thread's freshly
+// written buffer into its own, all at once (what every rank of an all-gather
+// does). Returns the shortest round of `rounds` (a round: from the first
+// copy's start to the last one's end, so with more ranks than cores the
+// copies take turns as ranks would). Buffers are touched by their owners
+// first and one warm-up round runs, so sizes that fit the caches measure
+// cache-to-cache transfers and larger ones memory bandwidth.
 double concurrent_peer_copy_seconds(int ranks, size_t bytes, int rounds);
 
 // Two threads passing a flag back and forth through one cache line: the
-// median round trip (ns) over `round_trips`, i.e. twice the cost of telling
-// another core that data is ready.
+// round trip (ns; the best of five batches' medians), i.e. twice the cost of
+// telling another core that data is ready.
 double handoff_round_trip_ns(int round_trips);
 
 }  // namespace fsdp_ext::comm

@@ -89,11 +89,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("_concurrent_peer_copy_seconds", &fsdp_ext::comm::concurrent_peer_copy_seconds,
         py::arg("ranks"), py::arg("bytes"), py::arg("rounds"),
         py::call_guard<py::gil_scoped_release>(),
-        "Seconds (median round, slowest thread) for `ranks` threads to each copy `bytes`\n"
-        "out of the next one's freshly written buffer, all at once.");
+        "Seconds (best round, first start to last end) for `ranks` threads to each copy\n"
+        "`bytes` out of the next one's freshly written buffer, all at once.");
   m.def("_handoff_round_trip_ns", &fsdp_ext::comm::handoff_round_trip_ns,
         py::arg("round_trips"), py::call_guard<py::gil_scoped_release>(),
-        "Median round trip (ns) of a flag passed between two threads through one cache line.");
+        "Round trip (ns, best of five batches' medians) of a flag passed between two\n"
+        "threads through one cache line.");
 
   // FSDP copy kernels (the first pieces of the C++ FSDP runtime; see
   // csrc/fsdp/copy_kernels.hpp for the layouts).

@@ -242,6 +242,36 @@ TEST_P(ForcedAlgorithm, AllreduceSum) {
   }
 }
 
+TEST_P(ForcedAlgorithm, AllreduceOfLargeOrdinaryBuffers) {
+  // Blocks of 1 MiB and more in ordinary memory: on the shared-memory path
+  // peers read them as process memory, a chunk at a time, into the
+  // reduction (the count is not a multiple of the chunk or of the group).
+  LoopbackGroup& group = *group_;
+  const int n = group.size();
+  const size_t count = (size_t{5} << 20) / sizeof(float) * n + 3;
+  std::vector<std::vector<float>> data(n);
+  for (int r = 0; r < n; ++r) data[r] = filled(count, r);
+  group.run_ok("allreduce large", [&](int r, OpContext& context) {
+    allreduce(context, MutableSpan{data[r].data(), count * sizeof(float)},
+              ReduceSpec{DataType::kFloat32, ReduceKind::kSum});
+  });
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(first_mismatch(data[r].data(), count,
+                             [&](size_t i) {
+                               float sum = 0;
+                               for (int p = 0; p < n; ++p) sum += value(p, i);
+                               return sum;
+                             }),
+              -1)
+        << "rank " << r;
+  }
+  const Case& c = GetParam();
+  if (c.hosts == 1 && c.shared_memory && n > 1 &&
+      (std::string(c.algorithm) == "shm" || std::string(c.algorithm) == "auto")) {
+    EXPECT_GT(group.domain(0).pieces_offered_for_process_reads(), 0u);
+  }
+}
+
 TEST_P(ForcedAlgorithm, AllreduceMaxInt32AndPremulSum) {
   LoopbackGroup& group = *group_;
   const int n = group.size();

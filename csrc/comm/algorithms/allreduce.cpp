@@ -73,6 +73,10 @@ void allreduce_ring(OpContext& context, const std::vector<AllreduceMember>& buck
   allgather(context, gather);
 }
 
+// Peers' blocks read as process memory arrive this much at a time (a
+// multiple of every element size, small enough to stay in L2 while reduced).
+constexpr size_t kReduceChunkBytes = 256 << 10;
+
 void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
                       const std::vector<AllreduceMember>& bucket) {
   const int n = context.size();
@@ -84,7 +88,10 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
   // Phase 1: reduce this rank's block of every member out of the peers'
   // buffers, in place. Peers read only their own block p of this rank's
   // buffer, never block r, so block r can be overwritten while they read.
-  SharedSourceExchange inputs(context, domain, 0, /*staging_slot=*/0);
+  // Copy-only: large blocks of ordinary memory are offered as process memory
+  // instead of being staged by their owner, and read here a cache-sized chunk
+  // at a time, so the reduction takes them from cache.
+  SharedSourceExchange inputs(context, domain, 0, /*staging_slot=*/0, /*copy_only=*/true);
   for (int p = 0; p < n; ++p) {
     if (p == r) continue;
     std::vector<ConstSpan> pieces;
@@ -98,15 +105,31 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
   }
   for (const AllreduceMember& member : bucket) detail::pre_scale_in_place(member.data, member.spec);
   inputs.exchange();
+  char* chunks = nullptr;  // one chunk per peer, for blocks read as process memory
   std::vector<const void*> others;
   for (size_t m = 0; m < bucket.size(); ++m) {
     MutableSpan mine = blocks[m][r];
-    others.clear();
-    for (int p = 0; p < n; ++p) {
-      if (p != r) others.push_back(inputs.source(p, m));
-    }
+    char* out = static_cast<char*>(mine.data);
     // Own block first, then the peers in rank order, as reduce-scatter does.
-    detail::reduce_sources(mine, mine.data, others, bucket[m].spec);
+    for (size_t offset = 0; offset < mine.bytes; offset += kReduceChunkBytes) {
+      const size_t bytes = std::min(kReduceChunkBytes, mine.bytes - offset);
+      others.clear();
+      for (int p = 0; p < n; ++p) {
+        if (p == r) continue;
+        if (const char* source = inputs.source(p, m)) {
+          others.push_back(source + offset);
+          continue;
+        }
+        if (chunks == nullptr) {
+          chunks = static_cast<char*>(context.scratch(kReduceChunkBytes * (n - 1)));
+        }
+        char* chunk = chunks + kReduceChunkBytes * (p < r ? p : p - 1);
+        inputs.copy_range(p, m, offset, bytes, chunk);
+        others.push_back(chunk);
+      }
+      detail::reduce_sources(MutableSpan{out + offset, bytes}, out + offset, others,
+                             bucket[m].spec);
+    }
     detail::post_scale(mine.data, mine.bytes, bucket[m].spec);
   }
   // Phase 2: every rank copies the peers' reduced blocks out of their

@@ -42,12 +42,25 @@ class SharedSourceExchange {
   void expect(int peer, std::vector<size_t> piece_bytes);
 
   void exchange();
-  // Start of `peer`'s piece `index` (valid until finish()); null if empty.
-  // Not for copy_only exchanges.
+  // Start of `peer`'s piece `index` (valid until finish()); null if empty
+  // or offered as process memory (copy_only exchanges; use copy_range).
   const char* source(int peer, size_t index) const { return sources_[peer][index]; }
   // Copies `peer`'s piece `index` into `destination`.
   void copy_out(int peer, size_t index, void* destination) {
     domain_.copy_from_peer(peer, headers_in_[peer][index], destination);
+  }
+  // Copies `bytes` from `offset` of `peer`'s piece `index` into
+  // `destination`: how a reader consumes, a cache-sized chunk at a time, a
+  // piece offered as process memory (which has no source()).
+  void copy_range(int peer, size_t index, size_t offset, size_t bytes, void* destination) {
+    SharedPiece part = headers_in_[peer][index];
+    if (part.in_process_memory) {
+      part.process_address += offset;
+    } else {
+      part.offset += offset;
+    }
+    part.bytes = bytes;
+    domain_.copy_from_peer(peer, part, destination);
   }
   void finish();
 

@@ -1,0 +1,109 @@
+"""One DDP training step: torch's DistributedDataParallel over fsdp_ext against
+gloo, in the same run.
+
+    python benchmarks/ddp_step.py [--world-sizes 2 4] [--steps 30] [--dim 512] [--layers 6]
+
+Every rank builds the same MLP stack three times (same seed): `local` (no
+DDP: the compute alone, the floor), DDP over the fsdp_ext default group, and
+DDP over a gloo group of the same ranks. Steps alternate between the three,
+so host noise hits all alike. Reports the median step time after the
+warm-up steps (slowest rank), each backend's overhead over `local`, and the
+last losses of the two DDP runs (the same data and model, so they agree up to
+the order of summation). Writes benchmarks/results/ddp_step.json.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+from _workers import init_rank, run_ranks
+
+WARMUP = 5
+
+
+def _model(dim, layers):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)]
+    return nn.Sequential(*blocks)
+
+
+def _worker(rank, world, init_file, queue, steps, dim, layers, batch):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    gloo = init_rank(rank, world, init_file)
+    contenders = {
+        "local": _model(dim, layers),
+        "fsdp_ext": DDP(_model(dim, layers)),
+        "gloo": DDP(_model(dim, layers), process_group=gloo),
+    }
+    optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in contenders.items()}
+    seconds = {name: [] for name in contenders}
+    losses = {name: [] for name in contenders}
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(1000 * step + rank)
+        inputs = torch.randn(batch, dim, generator=generator)
+        for name, model in contenders.items():
+            dist.barrier(group=gloo)
+            start = time.perf_counter()
+            loss = model(inputs).square().mean()
+            loss.backward()
+            optimizers[name].step()
+            optimizers[name].zero_grad(set_to_none=True)
+            seconds[name].append(time.perf_counter() - start)
+            losses[name].append(loss.item())
+    # The slowest rank's median per contender.
+    everyone = [None] * world
+    dist.all_gather_object(everyone, seconds, group=gloo)
+    if rank == 0:
+        medians = {name: max(statistics.median(r[name][WARMUP:]) for r in everyone)
+                   for name in contenders}
+        queue.put({"world_size": world, "median_s": medians, "losses": losses,
+                   "parameters": sum(p.numel() for p in contenders["local"].parameters())})
+    dist.barrier(group=gloo)
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    if args.steps <= WARMUP:
+        parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
+    results = []
+    print(f"{'ws':>3}{'params':>11}{'local ms':>10}{'fsdp_ext ms':>13}{'gloo ms':>10}"
+          f"{'fsdp_ext over local':>21}{'gloo over local':>17}{'gloo / fsdp_ext':>17}"
+          f"{'max |loss diff|':>17}")
+    for world in args.world_sizes:
+        r = run_ranks(world, _worker, args.steps, args.dim, args.layers, args.batch)
+        med = r["median_s"]
+        diff = max(abs(a - b) for a, b in zip(r["losses"]["fsdp_ext"], r["losses"]["gloo"]))
+        r["max_loss_difference"] = diff
+        results.append(r)
+        print(f"{world:>3}{r['parameters']:>11}{med['local'] * 1e3:>10.1f}"
+              f"{med['fsdp_ext'] * 1e3:>13.1f}{med['gloo'] * 1e3:>10.1f}"
+              f"{med['fsdp_ext'] / med['local']:>20.2f}x{med['gloo'] / med['local']:>16.2f}x"
+              f"{med['gloo'] / med['fsdp_ext']:>16.2f}x{diff:>17.2e}")
+    output = args.output or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                         "ddp_step.json")
+    os.makedirs(os.path.dirname(output), exist_ok=True)
+    with open(output, "w") as f:
+        json.dump({"args": vars(args), "results": results}, f, indent=1)
+    print(f"\nwrote {output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -35,6 +35,14 @@ float value(int rank, size_t index) {
 }
 uint8_t byte_value(int rank, size_t index) { return static_cast<uint8_t>(rank * 37 + index * 11); }
 
+// What a float sum over `ranks` ranks of value(rank, index) gives, in the
+// order the algorithms add (exact here: small integers).
+float sum_of_values(int ranks, size_t index) {
+  float sum = 0;
+  for (int rank = 0; rank < ranks; ++rank) sum += value(rank, index);
+  return sum;
+}
+
 std::vector<float> filled(size_t count, int rank, size_t offset = 0) {
   std::vector<float> out(count);
   for (size_t i = 0; i < count; ++i) out[i] = value(rank, offset + i);
@@ -177,11 +185,7 @@ TEST_P(ForcedAlgorithm, ReduceScatterSum) {
     });
     for (int d = 0; d < n; ++d) {
       EXPECT_EQ(first_mismatch(outputs[d].data(), count,
-                               [&](size_t i) {
-                                 float sum = 0;
-                                 for (int r = 0; r < n; ++r) sum += value(r, d * count + i);
-                                 return sum;
-                               }),
+                               [&](size_t i) { return sum_of_values(n, d * count + i); }),
                 -1)
           << "rank " << d << ", " << count << " floats";
     }
@@ -219,27 +223,25 @@ TEST_P(ForcedAlgorithm, ReduceScatterAverageInt64Uneven) {
   }
 }
 
-TEST_P(ForcedAlgorithm, AllreduceSum) {
-  LoopbackGroup& group = *group_;
+// A float32 sum all-reduce of `count` elements on every rank, checked.
+void expect_allreduce_sum(LoopbackGroup& group, size_t count) {
   const int n = group.size();
-  for (size_t count : kCounts) {
-    std::vector<std::vector<float>> data(n);
-    for (int r = 0; r < n; ++r) data[r] = filled(count, r);
-    group.run_ok("allreduce", [&](int r, OpContext& context) {
-      allreduce(context, MutableSpan{data[r].data(), count * sizeof(float)},
-                ReduceSpec{DataType::kFloat32, ReduceKind::kSum});
-    });
-    for (int r = 0; r < n; ++r) {
-      EXPECT_EQ(first_mismatch(data[r].data(), count,
-                               [&](size_t i) {
-                                 float sum = 0;
-                                 for (int p = 0; p < n; ++p) sum += value(p, i);
-                                 return sum;
-                               }),
-                -1)
-          << "rank " << r << ", " << count << " floats";
-    }
+  std::vector<std::vector<float>> data(n);
+  for (int r = 0; r < n; ++r) data[r] = filled(count, r);
+  group.run_ok("allreduce", [&](int r, OpContext& context) {
+    allreduce(context, MutableSpan{data[r].data(), count * sizeof(float)},
+              ReduceSpec{DataType::kFloat32, ReduceKind::kSum});
+  });
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(first_mismatch(data[r].data(), count,
+                             [&](size_t i) { return sum_of_values(n, i); }),
+              -1)
+        << "rank " << r << ", " << count << " floats";
   }
+}
+
+TEST_P(ForcedAlgorithm, AllreduceSum) {
+  for (size_t count : kCounts) expect_allreduce_sum(*group_, count);
 }
 
 TEST_P(ForcedAlgorithm, AllreduceOfLargeOrdinaryBuffers) {
@@ -248,23 +250,7 @@ TEST_P(ForcedAlgorithm, AllreduceOfLargeOrdinaryBuffers) {
   // reduction (the count is not a multiple of the chunk or of the group).
   LoopbackGroup& group = *group_;
   const int n = group.size();
-  const size_t count = (size_t{5} << 20) / sizeof(float) * n + 3;
-  std::vector<std::vector<float>> data(n);
-  for (int r = 0; r < n; ++r) data[r] = filled(count, r);
-  group.run_ok("allreduce large", [&](int r, OpContext& context) {
-    allreduce(context, MutableSpan{data[r].data(), count * sizeof(float)},
-              ReduceSpec{DataType::kFloat32, ReduceKind::kSum});
-  });
-  for (int r = 0; r < n; ++r) {
-    EXPECT_EQ(first_mismatch(data[r].data(), count,
-                             [&](size_t i) {
-                               float sum = 0;
-                               for (int p = 0; p < n; ++p) sum += value(p, i);
-                               return sum;
-                             }),
-              -1)
-        << "rank " << r;
-  }
+  expect_allreduce_sum(group, (size_t{5} << 20) / sizeof(float) * n + 3);
   const Case& c = GetParam();
   if (c.hosts == 1 && c.shared_memory && n > 1 &&
       (std::string(c.algorithm) == "shm" || std::string(c.algorithm) == "auto")) {
@@ -427,11 +413,7 @@ TEST_P(ForcedAlgorithm, BucketsOfMixedSizesAndTypes) {
           << "allgather byte member on rank " << r << " from " << p;
     }
     EXPECT_EQ(first_mismatch(rs_float_out[r].data(), 7,
-                             [&](size_t i) {
-                               float sum = 0;
-                               for (int p = 0; p < n; ++p) sum += value(p, r * 7 + i);
-                               return sum;
-                             }),
+                             [&](size_t i) { return sum_of_values(n, r * 7 + i); }),
               -1)
         << "reduce_scatter sum member on rank " << r;
     EXPECT_EQ(first_mismatch(rs_int_out[r].data(), 2,
@@ -445,11 +427,7 @@ TEST_P(ForcedAlgorithm, BucketsOfMixedSizesAndTypes) {
               -1)
         << "reduce_scatter min member on rank " << r;
     EXPECT_EQ(first_mismatch(ar_float[r].data(), 8191,
-                             [&](size_t i) {
-                               float sum = 0;
-                               for (int p = 0; p < n; ++p) sum += value(p, i);
-                               return sum;
-                             }),
+                             [&](size_t i) { return sum_of_values(n, i); }),
               -1)
         << "allreduce sum member on rank " << r;
     EXPECT_EQ(ar_bits[r][0], (1 << n) - 1) << "allreduce bitor member on rank " << r;
@@ -486,11 +464,7 @@ TEST_P(ForcedAlgorithm, BuffersFromThePool) {
           << "rank " << r << " block " << p;
     }
     EXPECT_EQ(first_mismatch(reduced[r], count,
-                             [&](size_t i) {
-                               float sum = 0;
-                               for (int p = 0; p < n; ++p) sum += value(p, i);
-                               return sum;
-                             }),
+                             [&](size_t i) { return sum_of_values(n, i); }),
               -1)
         << "rank " << r;
   }

@@ -39,7 +39,17 @@ struct Pair {
     close(ranks[0]);
     other.join();
   }
-  // Progresses both workers until both requests finished (or 10 s passed).
+  // One byte from rank 0 to rank 1, so the endpoint's lanes are wired up.
+  bool carry_one_message() {
+    char byte = 1, into = 0;
+    Request send, recv;
+    recv.peer = 0;
+    ranks[1]->post_recv(recv, 5, tag::kMatchAll, &into, 1);
+    ranks[0]->post_send(send, 1, 5, &byte, 1);
+    return complete(send, recv) && into == 1;
+  }
+  // Progresses both workers until both requests finished (or ten million
+  // polls passed: a test failure, not a hang).
   bool complete(Request& a, Request& b) {
     for (int spins = 0; spins < 10000000; ++spins) {
       ranks[0]->progress();
@@ -71,13 +81,7 @@ TEST(Transport, TaggedMessageOfAwkwardSizesArrive) {
 
 TEST(Transport, ReportsTheTransportsOfEachEndpoint) {
   Pair pair;
-  // Carry one message so the endpoint's lanes are wired up.
-  char byte = 1, into = 0;
-  Request send, recv;
-  recv.peer = 0;
-  pair.ranks[1]->post_recv(recv, 5, tag::kMatchAll, &into, 1);
-  pair.ranks[0]->post_send(send, 1, 5, &byte, 1);
-  ASSERT_TRUE(pair.complete(send, recv));
+  ASSERT_TRUE(pair.carry_one_message());
   const std::vector<std::string> to_peer = pair.ranks[0]->transports_to(1);
   ASSERT_FALSE(to_peer.empty());
   for (const std::string& transport : to_peer) {
@@ -97,12 +101,7 @@ TEST(Transport, ClosingWhileThePeerDoesNotProgressGivesUpWithinTheBudget) {
   testing::ScopedVariable tls("UCX_TLS", "tcp");
   testing::ScopedVariable devices("UCX_NET_DEVICES", "lo");
   auto pair = std::make_unique<Pair>();
-  char byte = 1, into = 0;
-  Request send, recv;
-  recv.peer = 0;
-  pair->ranks[1]->post_recv(recv, 5, tag::kMatchAll, &into, 1);
-  pair->ranks[0]->post_send(send, 1, 5, &byte, 1);
-  ASSERT_TRUE(pair->complete(send, recv));
+  ASSERT_TRUE(pair->carry_one_message());
   const auto start = std::chrono::steady_clock::now();
   pair->ranks[0]->close_endpoints(std::chrono::milliseconds(200));
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
@@ -115,12 +114,7 @@ TEST(Transport, ReportsTcpWhenThatIsAllUcxMayUse) {
   testing::ScopedVariable tls("UCX_TLS", "tcp");
   testing::ScopedVariable devices("UCX_NET_DEVICES", "lo");
   Pair pair;
-  char byte = 1, into = 0;
-  Request send, recv;
-  recv.peer = 0;
-  pair.ranks[1]->post_recv(recv, 5, tag::kMatchAll, &into, 1);
-  pair.ranks[0]->post_send(send, 1, 5, &byte, 1);
-  ASSERT_TRUE(pair.complete(send, recv));
+  ASSERT_TRUE(pair.carry_one_message());
   EXPECT_EQ(pair.ranks[0]->transports_to(1), std::vector<std::string>{"tcp/lo"});
 }
 

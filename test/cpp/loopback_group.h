@@ -126,16 +126,22 @@ class LoopbackGroup {
     }
   }
 
+  // The outcome of one submitted op. An op that has not completed within
+  // `budget` is a test failure, not a hang.
+  static OpOutcome await(std::future<OpOutcome>& future, std::chrono::milliseconds budget) {
+    if (future.wait_for(budget) != std::future_status::ready) {
+      ADD_FAILURE() << "an op did not complete within " << budget.count() << " ms";
+      std::abort();  // the engines still reference this test's buffers
+    }
+    return future.get();
+  }
+
+  // Every op's outcome, each allowed its timeout plus a margin (the engine's
+  // own timeout should have fired by then).
   static std::vector<OpOutcome> collect(std::vector<std::future<OpOutcome>>& futures,
                                         std::chrono::milliseconds timeout) {
     std::vector<OpOutcome> outcomes;
-    for (auto& future : futures) {
-      if (future.wait_for(timeout + std::chrono::seconds(30)) != std::future_status::ready) {
-        ADD_FAILURE() << "an op never completed (the engine's timeout did not fire)";
-        std::abort();  // the engines still reference this test's buffers
-      }
-      outcomes.push_back(future.get());
-    }
+    for (auto& future : futures) outcomes.push_back(await(future, timeout + std::chrono::seconds(30)));
     return outcomes;
   }
 

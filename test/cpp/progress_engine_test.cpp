@@ -33,14 +33,6 @@ bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
 
-OpOutcome wait_outcome(std::future<OpOutcome>& future, milliseconds budget) {
-  if (future.wait_for(budget) != std::future_status::ready) {
-    ADD_FAILURE() << "the op did not complete within " << budget.count() << " ms";
-    std::abort();
-  }
-  return future.get();
-}
-
 TEST(ProgressEngine, ACollectiveAPeerNeverJoinsTimesOutAndBreaksTheGroup) {
   LoopbackGroup group(3);
   std::vector<std::vector<float>> data(3, std::vector<float>(16, 1.0f));
@@ -70,7 +62,7 @@ TEST(ProgressEngine, ACollectiveAPeerNeverJoinsTimesOutAndBreaksTheGroup) {
     char byte = 0;
     broadcast(context, MutableSpan{&byte, 1}, 0);
   });
-  const OpOutcome refused = wait_outcome(next, milliseconds(5000));
+  const OpOutcome refused = LoopbackGroup::await(next, milliseconds(5000));
   EXPECT_FALSE(refused.ok);
   EXPECT_EQ(refused.kind, ErrorKind::kBroken);
   EXPECT_TRUE(contains(refused.message, "unusable after an earlier failure")) << refused.message;
@@ -91,7 +83,7 @@ TEST(ProgressEngine, AbortFailsTheRunningAndQueuedOpsAtOnce) {
   group.engine(0).abort("the test aborted the group");
   EXPECT_LT(Clock::now() - start, milliseconds(5000));  // abort() returns promptly
   for (auto* future : {&running, &queued}) {
-    const OpOutcome outcome = wait_outcome(*future, milliseconds(5000));
+    const OpOutcome outcome = LoopbackGroup::await(*future, milliseconds(5000));
     EXPECT_FALSE(outcome.ok);
     EXPECT_EQ(outcome.kind, ErrorKind::kAborted);
     EXPECT_TRUE(contains(outcome.message, "aborted (the test aborted the group)"))
@@ -99,7 +91,7 @@ TEST(ProgressEngine, AbortFailsTheRunningAndQueuedOpsAtOnce) {
   }
   // After abort the engine is shut down: new ops are refused, not queued.
   auto late = group.submit(0, "barrier", [](int, OpContext& context) { barrier(context); });
-  const OpOutcome refused = wait_outcome(late, milliseconds(1000));
+  const OpOutcome refused = LoopbackGroup::await(late, milliseconds(1000));
   EXPECT_FALSE(refused.ok);
   EXPECT_EQ(refused.kind, ErrorKind::kAborted);
   EXPECT_TRUE(contains(refused.message, "already shut down")) << refused.message;
@@ -118,16 +110,16 @@ TEST(ProgressEngine, AbortAfterAStreamOfOpsFailsOnlyWhatIsLeft) {
     }
   }
   for (auto& future : futures[0]) {
-    const OpOutcome outcome = wait_outcome(future, milliseconds(30000));
+    const OpOutcome outcome = LoopbackGroup::await(future, milliseconds(30000));
     EXPECT_TRUE(outcome.ok) << outcome.message;
   }
   for (int i = 0; i < 5; ++i) {
-    const OpOutcome outcome = wait_outcome(futures[1][i], milliseconds(30000));
+    const OpOutcome outcome = LoopbackGroup::await(futures[1][i], milliseconds(30000));
     EXPECT_TRUE(outcome.ok) << outcome.message;
   }
   group.engine(1).abort("stop midway");
   for (int i = 5; i < 10; ++i) {
-    const OpOutcome outcome = wait_outcome(futures[1][i], milliseconds(5000));
+    const OpOutcome outcome = LoopbackGroup::await(futures[1][i], milliseconds(5000));
     EXPECT_FALSE(outcome.ok) << "op " << i;
     EXPECT_EQ(outcome.kind, ErrorKind::kAborted) << outcome.message;
   }
@@ -147,7 +139,7 @@ TEST(ProgressEngine, ShutdownFinishesQueuedCollectivesThatCanComplete) {
   group.engine(0).shutdown();
   other.join();
   for (auto& future : futures) {
-    const OpOutcome outcome = wait_outcome(future, milliseconds(1000));
+    const OpOutcome outcome = LoopbackGroup::await(future, milliseconds(1000));
     EXPECT_TRUE(outcome.ok) << outcome.message;
   }
   for (int r = 0; r < 2; ++r) EXPECT_EQ(data[r], std::vector<float>(3, 4.0f));
@@ -165,7 +157,7 @@ TEST(ProgressEngine, ShutdownFailsPendingPointToPointOps) {
       milliseconds(60000), /*collective=*/false);
   std::this_thread::sleep_for(milliseconds(20));
   group.engine(0).shutdown();
-  const OpOutcome outcome = wait_outcome(receive, milliseconds(1000));
+  const OpOutcome outcome = LoopbackGroup::await(receive, milliseconds(1000));
   EXPECT_FALSE(outcome.ok);
   EXPECT_EQ(outcome.kind, ErrorKind::kAborted);
   EXPECT_TRUE(contains(outcome.message, "shut down or aborted with this operation pending"))
@@ -187,8 +179,8 @@ TEST(ProgressEngine, PointToPointCompletesInTheBackgroundWhileCollectivesRun) {
       milliseconds(30000), false);
   std::vector<std::vector<float>> data(2, std::vector<float>(5, 1.0f));
   group.run_ok("allreduce", allreduce_of(data));
-  const OpOutcome received_outcome = wait_outcome(receive, milliseconds(30000));
-  const OpOutcome sent_outcome = wait_outcome(send, milliseconds(30000));
+  const OpOutcome received_outcome = LoopbackGroup::await(receive, milliseconds(30000));
+  const OpOutcome sent_outcome = LoopbackGroup::await(send, milliseconds(30000));
   EXPECT_TRUE(received_outcome.ok) << received_outcome.message;
   EXPECT_TRUE(sent_outcome.ok) << sent_outcome.message;
   EXPECT_EQ(received, 1234);

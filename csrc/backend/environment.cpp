@@ -15,14 +15,23 @@ extern char** environ;
 namespace fsdp_ext::backend {
 namespace {
 
-constexpr std::array<const char*, 8> kKnownVariables = {
-    "FSDP_EXT_SPIN_US",          "FSDP_EXT_WAIT_SPIN_US",   "FSDP_EXT_SHARED_MEMORY",
-    "FSDP_EXT_PROCESS_READS",    "FSDP_EXT_ALLGATHER_ALGO", "FSDP_EXT_REDUCE_SCATTER_ALGO",
-    "FSDP_EXT_ALLREDUCE_ALGO",   "FSDP_EXT_BROADCAST_ALGO",
-};
+// The backend's own variables; the FSDP_EXT_*_ALGO ones are listed where
+// they are parsed (comm::kForcedAlgorithmVariables).
+constexpr std::array<const char*, 4> kBackendVariables = {
+    "FSDP_EXT_SPIN_US", "FSDP_EXT_WAIT_SPIN_US", "FSDP_EXT_SHARED_MEMORY",
+    "FSDP_EXT_PROCESS_READS"};
+
+// Calls `visit` with every variable the backend reads.
+template <typename Visit>
+void for_each_known_variable(Visit visit) {
+  for (const char* name : kBackendVariables) visit(name);
+  for (const char* name : comm::kForcedAlgorithmVariables) visit(name);
+}
+
 std::string known_list() {
   std::string out;
-  for (const char* name : kKnownVariables) out += (out.empty() ? "" : ", ") + std::string(name);
+  for_each_known_variable(
+      [&](const char* name) { out += (out.empty() ? "" : ", ") + std::string(name); });
   return out;
 }
 
@@ -56,7 +65,7 @@ BackendEnvironment read_environment(const std::string& where) {
     if (assignment.rfind("FSDP_EXT_", 0) != 0) continue;
     const std::string name(assignment.substr(0, assignment.find('=')));
     bool known = false;
-    for (const char* candidate : kKnownVariables) known = known || name == candidate;
+    for_each_known_variable([&](const char* candidate) { known = known || name == candidate; });
     TORCH_CHECK_VALUE(known, where, "unknown variable ", name, " in the environment; the "
                       "backend reads ", known_list());
   }

@@ -59,6 +59,8 @@ Algorithm ring_for_large(size_t bytes, int group_size) {
 
 }  // namespace
 
+bool small_op_channel_allowed(const char* variable) { return forced(variable) == Forced::kAuto; }
+
 bool is_forced_algorithm_name(std::string_view value) {
   Forced ignored;
   return parse_forced(value, ignored);

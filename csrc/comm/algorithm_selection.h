@@ -36,6 +36,12 @@ bool is_forced_algorithm_name(std::string_view value);
 
 const char* algorithm_name(Algorithm algorithm);
 
+// Whether a small collective may complete through the small-op channel
+// (algorithms/small_ops.h) instead of the algorithm chosen here: only when
+// `variable` (the op's FSDP_EXT_*_ALGO) forces nothing, so a forced
+// algorithm runs at every size.
+bool small_op_channel_allowed(const char* variable);
+
 // `bytes`: the whole bucket (all-gather outputs / reduce-scatter inputs /
 // all-reduce buffers). `shared_memory`: the group has it enabled.
 Algorithm select_allgather(size_t bytes, int group_size, bool shared_memory);

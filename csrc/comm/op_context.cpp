@@ -26,6 +26,21 @@ OpContext::OpContext(ProgressEngine& engine, Transport& transport,
       deadline_(deadline),
       timeout_(timeout) {}
 
+ChannelWait OpContext::channel_wait() const {
+  ChannelWait wait;
+  wait.deadline = deadline_;
+  wait.timeout = timeout_;
+  wait.spin = engine_.config().spin;
+  wait.description = description_;
+  ProgressEngine* engine = &engine_;
+  wait.check_health = [engine, description = description_] {
+    engine->keep_alive_while_waiting(description);
+  };
+  wait.describe_peer = [engine](int peer) { return engine->describe_peer(peer); };
+  wait.explain_timeout = [engine] { return engine->explain_timeout(); };
+  return wait;
+}
+
 Request OpContext::send(int peer, uint32_t step, const void* data, size_t bytes) {
   Request request;
   transport_.post_send(request, global(peer), tag::collective(seq_, step, transport_.rank()),

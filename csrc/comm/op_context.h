@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/small_op_channel.h"
 #include "comm/transport.h"
 
 namespace fsdp_ext::comm {
@@ -69,6 +70,11 @@ class OpContext {
   // it is on one host (or, in a phase, the host's ranks); null otherwise (then
   // only UCX messages are used).
   SharedMemoryDomain* shared_memory() const;
+
+  // How an op that waits on the small-op channel instead of UCX requests
+  // waits: this op's deadline and name, the engine's spin, and the engine
+  // kept alive between sleeps (UCX progress, lost peers, abort).
+  ChannelWait channel_wait() const;
 
   // A batch of coalesced collectives runs in one op; each collective after
   // the first takes a fresh sequence number so their tags stay apart.

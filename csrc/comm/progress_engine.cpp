@@ -122,6 +122,53 @@ void ProgressEngine::abort(const std::string& reason) {
   shutdown();
 }
 
+ProgressEngine::Turn ProgressEngine::try_take_turn() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (turn_taken_ || op_running_ || !queue_.empty() || stop_requested_ ||
+      !broken_reason_.empty() || aborting_.load(std::memory_order_relaxed)) {
+    return Turn();
+  }
+  turn_taken_ = true;
+  // Nothing runs on the progress thread now, so the sequence number is
+  // this turn's to take.
+  return Turn(this, next_seq_++);
+}
+
+void ProgressEngine::Turn::release(EngineOp* rest) {
+  if (engine_ == nullptr) return;
+  ProgressEngine& engine = *std::exchange(engine_, nullptr);
+  bool nudge = false;
+  {
+    std::lock_guard<std::mutex> lock(engine.mutex_);
+    engine.turn_taken_ = false;
+    // The progress thread does not leave while a turn is held (see
+    // thread_main), so the rest always finds it.
+    if (rest != nullptr) {
+      rest->continues_seq = seq_;
+      engine.queue_.push_front(std::move(*rest));
+    }
+    // Ops submitted while the turn was held found the engine held back, and
+    // it may have gone to sleep since.
+    nudge = !engine.queue_.empty() || engine.stop_requested_;
+  }
+  if (nudge) engine.wakeup_->notify_submitted();
+}
+
+void ProgressEngine::Turn::fail(const std::string& message) {
+  if (engine_ != nullptr) engine_->mark_broken(message);
+  release(nullptr);
+}
+
+void ProgressEngine::keep_alive_while_waiting(const std::string& description) {
+  transport_->progress();
+  // Collect what fired on the watched fds without sleeping.
+  wakeup_->sleep(Clock::now(), /*wake_on_submit=*/false);
+  if (!check_peers().empty()) throw CommError(ErrorKind::kPeerLost, description + ": " + peer_lost_);
+  if (aborting_) {
+    throw CommError(ErrorKind::kAborted, description + ": aborted (" + abort_reason_ + ")");
+  }
+}
+
 std::string ProgressEngine::broken_reason() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return broken_reason_;
@@ -149,7 +196,15 @@ std::string ProgressEngine::describe_peer(int rank) const {
 }
 
 std::string ProgressEngine::describe(const EngineOp& op, uint64_t seq) const {
-  std::string text = "fsdp_ext " + op.name + " (group '" + config_.group_name +
+  return describe_op(op.name, seq);
+}
+
+std::string ProgressEngine::explain_timeout() const {
+  return config_.explain_timeout ? config_.explain_timeout(activity()) : std::string();
+}
+
+std::string ProgressEngine::describe_op(const std::string& name, uint64_t seq) const {
+  std::string text = "fsdp_ext " + name + " (group '" + config_.group_name +
                      "', rank " + std::to_string(config_.rank) + "/" +
                      std::to_string(config_.size);
   if (seq != 0) text += ", op #" + std::to_string(seq);
@@ -206,15 +261,22 @@ void ProgressEngine::thread_main() {
     bool stopping = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (!queue_.empty()) {
+      // A caller's Turn holds back queued ops: they come after its op.
+      if (!queue_.empty() && !turn_taken_) {
         op = std::move(queue_.front());
         queue_.pop_front();
         have_op = true;
+        op_running_ = true;
       }
-      stopping = stop_requested_;
+      // Queued ops behind a turn (and its rest) must still run: stay.
+      stopping = stop_requested_ && !turn_taken_;
     }
     if (have_op) {
       run_op(op);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        op_running_ = false;
+      }
       idle = fresh_idle_state();
       continue;
     }
@@ -237,7 +299,7 @@ void ProgressEngine::thread_main() {
 
 void ProgressEngine::run_op(EngineOp& op) {
   ops_run_.fetch_add(1, std::memory_order_relaxed);
-  const uint64_t seq = op.collective ? next_seq_++ : 0;
+  const uint64_t seq = op.continues_seq != 0 ? op.continues_seq : op.collective ? next_seq_++ : 0;
   const std::string description = describe(op, seq);
   OpOutcome failure;
   failure.ok = false;
@@ -290,6 +352,12 @@ void ProgressEngine::run_op(EngineOp& op) {
     in_flight_.push_back(
         InFlight{std::move(op), std::move(context.detached()), deadline, description});
     return;
+  }
+  {
+    // Idle from here on: the caller that this completion wakes may take
+    // the turn for its next small op at once instead of queueing it.
+    std::lock_guard<std::mutex> lock(mutex_);
+    op_running_ = false;
   }
   finish(op, OpOutcome{});
 }
@@ -427,10 +495,8 @@ void ProgressEngine::wait_for(const std::string& description, Clock::time_point 
                       " (step " + std::to_string(request.step) + ", " +
                       std::to_string(request.bytes) + " bytes)";
       }
-      std::string peers;
-      if (config_.explain_timeout && running_ != nullptr && running_->collective) {
-        peers = config_.explain_timeout(activity());
-      }
+      const std::string peers =
+          running_ != nullptr && running_->collective ? explain_timeout() : std::string();
       fail(ErrorKind::kTimeout,
            description + ": timed out after " + std::to_string(timeout.count()) +
                " ms; still waiting for " + waiting_on +

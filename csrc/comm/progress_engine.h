@@ -25,6 +25,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "comm/engine_wakeup.h"
@@ -56,6 +57,9 @@ struct EngineOp {
   std::function<void(const OpOutcome&)> on_done;
   // Keeps the op's buffers alive until the transport is done with them.
   std::shared_ptr<void> keepalive;
+  // Non-zero: the rest of a collective begun on a caller's turn (see
+  // Turn), which already holds this sequence number.
+  uint64_t continues_seq = 0;
 };
 
 // Who a peer is, for error messages and dead-peer detection.
@@ -118,6 +122,41 @@ struct EngineConfig {
 
 class ProgressEngine {
  public:
+  // The engine's turn, held by a caller thread that runs a small collective
+  // itself (small_op_channel.h) instead of queueing it: taken only while the
+  // engine has nothing queued or running, so the op keeps its place in
+  // submission order. While it is held the engine starts no queued op (it
+  // still progresses point-to-point transfers and watches peers). Ends when
+  // destroyed, or earlier with hand_over / fail.
+  class Turn {
+   public:
+    Turn() = default;
+    Turn(Turn&& other) noexcept : engine_(std::exchange(other.engine_, nullptr)), seq_(other.seq_) {}
+    Turn& operator=(Turn&&) = delete;
+    Turn(const Turn&) = delete;
+    ~Turn() { release(nullptr); }
+    explicit operator bool() const { return engine_ != nullptr; }
+    uint64_t seq() const { return seq_; }
+    // Ends the turn (what the destructor does).
+    void end() { release(nullptr); }
+    // Ends the turn; `rest` (continues_seq = seq()) runs on the engine
+    // before anything submitted meanwhile.
+    void hand_over(EngineOp rest) { release(&rest); }
+    // Ends the turn after the op failed in a way peers may not share:
+    // the group is unusable from now on, as after any failed collective.
+    void fail(const std::string& message);
+
+   private:
+    friend class ProgressEngine;
+    Turn(ProgressEngine* engine, uint64_t seq) : engine_(engine), seq_(seq) {}
+    void release(EngineOp* rest);
+    ProgressEngine* engine_ = nullptr;
+    uint64_t seq_ = 0;
+  };
+  // Any thread. An empty Turn when the engine is busy, stopping or broken
+  // (then submit the op as usual: that path reports a broken group).
+  Turn try_take_turn();
+
   ProgressEngine(EngineConfig config, std::unique_ptr<Transport> transport);
   ~ProgressEngine();
   ProgressEngine(const ProgressEngine&) = delete;
@@ -152,6 +191,17 @@ class ProgressEngine {
   EngineActivity activity() const;
   // "rank 3 (host h, pid 12)": how errors name a peer.
   std::string describe_peer(int rank) const;
+  // What the other ranks were doing while this rank's running collective
+  // waited for them (EngineConfig::explain_timeout; "" without one).
+  std::string explain_timeout() const;
+  // "fsdp_ext all_reduce (group 'g', rank 0/2, op #7)": how errors name an op.
+  std::string describe_op(const std::string& name, uint64_t seq) const;
+
+  // Progress thread only, inside an op that waits on something other than
+  // UCX requests (the small-op channel): progresses UCX (so transfers a peer
+  // waits on keep moving), notices lost peers and aborts. Throws CommError
+  // naming `description` when the op must stop.
+  void keep_alive_while_waiting(const std::string& description);
 
   // Progress thread only (OpContext::wait_all / wait_one): progresses and
   // sleeps until the requests finish (`only`: one index, or kAllRequests).
@@ -203,6 +253,8 @@ class ProgressEngine {
   std::deque<EngineOp> queue_;
   std::string broken_reason_;
   bool stop_requested_ = false;
+  bool op_running_ = false;  // the progress thread runs an op whose outcome is not known yet
+  bool turn_taken_ = false;  // a caller holds the Turn
   std::atomic<bool> aborting_{false};
   std::string abort_reason_;  // set once, before aborting_ (see abort())
   bool shut_down_ = false;

@@ -1,0 +1,123 @@
+// All-reduce, all-gather, broadcast and barrier over the small-op channel.
+#include "comm/algorithms/small_ops.h"
+
+#include <cstring>
+
+#include "comm/error.h"
+#include "comm/reduce_kernels.h"
+
+namespace fsdp_ext::comm {
+namespace {
+
+uint32_t encode_reduction(const ReduceSpec& spec) {
+  return static_cast<uint32_t>(spec.type) | (static_cast<uint32_t>(spec.kind) << 8);
+}
+
+// Every rank must have called the same op with the same size; the first
+// rank that did not is named, with both ops, on every rank (each reads all
+// headers, so all of them fail alike and none waits on the others).
+void check_same_op(const SmallOpChannel& channel) {
+  const ChannelOpKind& mine = channel.kind_of(channel.rank());
+  for (int peer = 0; peer < channel.size(); ++peer) {
+    const ChannelOpKind& theirs = channel.kind_of(peer);
+    if (theirs != mine) {
+      throw CommError(ErrorKind::kMismatch,
+                      "rank " + std::to_string(peer) + " called " +
+                          describe_small_op(theirs) + " where rank " +
+                          std::to_string(channel.rank()) + " called " + describe_small_op(mine));
+    }
+  }
+}
+
+char* begin_with(SmallOpChannel& channel, SmallOp op, uint32_t detail, uint64_t bytes,
+                 size_t contribution_bytes) {
+  return channel.begin(ChannelOpKind{static_cast<uint32_t>(op), detail, bytes},
+                       contribution_bytes);
+}
+
+}  // namespace
+
+std::string describe_small_op(const ChannelOpKind& kind) {
+  std::string what;
+  switch (static_cast<SmallOp>(kind.op)) {
+    case SmallOp::kAllreduce:
+      what = std::string("all_reduce (") + data_type_name(static_cast<DataType>(kind.detail & 0xff)) +
+             " " + reduce_kind_name(static_cast<ReduceKind>((kind.detail >> 8) & 0xff)) + ")";
+      break;
+    case SmallOp::kAllgather:
+      what = "all_gather";
+      break;
+    case SmallOp::kBroadcast:
+      what = "broadcast (root " + std::to_string(kind.detail) + ")";
+      break;
+    case SmallOp::kBarrier:
+      return "barrier";
+    default:
+      return "an unknown op (" + std::to_string(kind.op) + ")";
+  }
+  return what + " of " + std::to_string(kind.bytes) + " bytes";
+}
+
+void start_small_allreduce(SmallOpChannel& channel, ConstSpan data, const ReduceSpec& spec) {
+  char* slot = begin_with(channel, SmallOp::kAllreduce, encode_reduction(spec), data.bytes,
+                          data.bytes);
+  if (spec.pre_scale != 1.0) {
+    // PREMUL_SUM: each rank scales its own contribution once, on the way in.
+    scale_copy(slot, data.data, data.bytes / element_size(spec.type), spec.type, spec.pre_scale);
+  } else if (data.bytes > 0) {
+    std::memcpy(slot, data.data, data.bytes);
+  }
+  channel.publish();
+}
+
+void finish_small_allreduce(const SmallOpChannel& channel, MutableSpan data,
+                            const ReduceSpec& spec) {
+  check_same_op(channel);
+  if (data.bytes == 0) return;
+  const size_t count = data.bytes / element_size(spec.type);
+  // Rank order on every rank: the same rounding everywhere.
+  std::memcpy(data.data, channel.data_of(0), data.bytes);
+  for (int r = 1; r < channel.size(); ++r) {
+    reduce_into(data.data, channel.data_of(r), count, spec.type, spec.kind);
+  }
+  if (spec.post_scale != 1.0) scale_in_place(data.data, count, spec.type, spec.post_scale);
+}
+
+void start_small_allgather(SmallOpChannel& channel, ConstSpan input) {
+  char* slot = begin_with(channel, SmallOp::kAllgather, 0, input.bytes, input.bytes);
+  if (input.bytes > 0) std::memcpy(slot, input.data, input.bytes);
+  channel.publish();
+}
+
+void finish_small_allgather(const SmallOpChannel& channel, const std::vector<MutableSpan>& outputs) {
+  check_same_op(channel);
+  for (int r = 0; r < channel.size(); ++r) {
+    if (outputs[r].bytes > 0) std::memcpy(outputs[r].data, channel.data_of(r), outputs[r].bytes);
+  }
+}
+
+void start_small_broadcast(SmallOpChannel& channel, ConstSpan data, int root) {
+  const bool is_root = channel.rank() == root;
+  char* slot = begin_with(channel, SmallOp::kBroadcast, static_cast<uint32_t>(root), data.bytes,
+                          is_root ? data.bytes : 0);
+  if (is_root && data.bytes > 0) std::memcpy(slot, data.data, data.bytes);
+  channel.publish();
+}
+
+void finish_small_broadcast(const SmallOpChannel& channel, MutableSpan data, int root) {
+  check_same_op(channel);
+  if (channel.rank() != root && data.bytes > 0) {
+    std::memcpy(data.data, channel.data_of(root), data.bytes);
+  }
+}
+
+void start_small_barrier(SmallOpChannel& channel) {
+  begin_with(channel, SmallOp::kBarrier, 0, 0, 0);
+  channel.publish();
+}
+
+void finish_small_barrier(const SmallOpChannel& channel) {
+  check_same_op(channel);
+}
+
+}  // namespace fsdp_ext::comm

@@ -1,0 +1,46 @@
+// Collectives over the small-op channel (small_op_channel.h): every rank's
+// contribution fits in one slot, so one exchange of flags completes the op.
+//
+// Each op is split in two so that its caller decides how to wait in
+// between (poll on the calling thread, or hand the wait to the engine):
+//   start  -- writes this rank's contribution and publishes it; never blocks;
+//   finish -- once every rank has arrived: checks that all ranks called the
+//             same op with the same size (kMismatch naming the first rank
+//             that did not; the caller prefixes the op's name), then
+//             computes this rank's result.
+// Results are the same bytes on every rank: an all-reduce combines the
+// contributions in rank order on each of them.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "comm/algorithms/algorithms.h"
+#include "comm/small_op_channel.h"
+
+namespace fsdp_ext::comm {
+
+enum class SmallOp : uint32_t { kAllreduce = 1, kAllgather = 2, kBroadcast = 3, kBarrier = 4 };
+
+// Whether a collective of `bytes` per rank goes through the channel. Every
+// rank of a group answers alike for the same call (it depends on the size
+// alone, and the sizes must agree anyway).
+inline bool fits_small_op_channel(size_t bytes) { return bytes <= SmallOpChannel::kMaxBytes; }
+
+void start_small_allreduce(SmallOpChannel& channel, ConstSpan data, const ReduceSpec& spec);
+void finish_small_allreduce(const SmallOpChannel& channel, MutableSpan data,
+                            const ReduceSpec& spec);
+
+void start_small_allgather(SmallOpChannel& channel, ConstSpan input);
+void finish_small_allgather(const SmallOpChannel& channel, const std::vector<MutableSpan>& outputs);
+
+void start_small_broadcast(SmallOpChannel& channel, ConstSpan data, int root);
+void finish_small_broadcast(const SmallOpChannel& channel, MutableSpan data, int root);
+
+void start_small_barrier(SmallOpChannel& channel);
+void finish_small_barrier(const SmallOpChannel& channel);
+
+// "all_reduce (float32 sum) of 8 bytes": how mismatch errors name an op.
+std::string describe_small_op(const ChannelOpKind& kind);
+
+}  // namespace fsdp_ext::comm

@@ -1,0 +1,210 @@
+#include "comm/small_op_channel.h"
+
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstring>
+
+#include "comm/error.h"
+
+namespace fsdp_ext::comm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Region layout (offsets in bytes). The header line holds the two futex
+// words; each slot starts on its own cache lines.
+constexpr size_t kArrivedOffset = 0;
+constexpr size_t kSleepersOffset = 4;
+constexpr size_t kHeaderLine = 64;
+struct SlotHeader {
+  uint32_t op_number;
+  uint32_t data_bytes;
+  ChannelOpKind kind;
+};
+constexpr size_t kSlotData = 64;  // the data starts one line into the slot
+static_assert(sizeof(SlotHeader) <= kSlotData);
+constexpr size_t kSlotStride = kSlotData + SmallOpChannel::kMaxBytes;
+
+// How long to poll with a pause before yielding the core between polls.
+constexpr auto kPureSpin = std::chrono::microseconds(2);
+// The longest single sleep on a futex word: bounds how late the deadline and
+// the group's health are looked at.
+constexpr auto kSleepSlice = std::chrono::milliseconds(1);
+
+std::atomic_ref<uint32_t> word_at(char* region, size_t offset) {
+  return std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(region + offset));
+}
+
+// Op numbers wrap; `published` has reached `wanted` when it is at most 2^31
+// ahead of it.
+bool reached(uint32_t published, uint32_t wanted) {
+  return static_cast<int32_t>(published - wanted) >= 0;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+// Sleeps while *word == seen, at most `timeout`, on a futex shared between
+// processes (the region is a MAP_SHARED mapping, so no FUTEX_PRIVATE_FLAG).
+void futex_sleep(uint32_t* word, uint32_t seen, Clock::duration timeout) {
+  const auto nanos = std::chrono::duration_cast<std::chrono::nanoseconds>(timeout).count();
+  if (nanos <= 0) return;
+  const timespec relative{static_cast<time_t>(nanos / 1000000000),
+                          static_cast<long>(nanos % 1000000000)};
+  // EAGAIN (the word changed), EINTR and ETIMEDOUT all mean: look again.
+  syscall(SYS_futex, word, FUTEX_WAIT, seen, &relative, nullptr, 0);
+}
+
+void futex_wake_all(uint32_t* word) { syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0); }
+
+}  // namespace
+
+size_t SmallOpChannel::region_bytes() { return round_up_to_pages(kHeaderLine + 2 * kSlotStride); }
+
+SmallOpChannel::SmallOpChannel(int rank, int size)
+    : rank_(rank),
+      size_(size),
+      own_(SharedMemorySegment::create(region_bytes(), "fsdp_ext-small-ops")),
+      peers_(static_cast<size_t>(size)),
+      regions_(static_cast<size_t>(size), nullptr) {
+  regions_[rank_] = static_cast<char*>(own_.data());
+}
+
+void SmallOpChannel::connect(const std::vector<pid_t>& pids, const std::vector<int>& fds) {
+  if (static_cast<int>(pids.size()) != size_ || static_cast<int>(fds.size()) != size_) {
+    throw CommError(ErrorKind::kMismatch,
+                    "small-op channel: " + std::to_string(pids.size()) + " pids and " +
+                        std::to_string(fds.size()) + " fds for a group of " +
+                        std::to_string(size_));
+  }
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    peers_[peer] = SharedMemorySegment::open_peer(pids[peer], fds[peer], region_bytes());
+    regions_[peer] = static_cast<char*>(peers_[peer].data());
+  }
+  connected_ = true;
+}
+
+char* SmallOpChannel::slot(int rank, uint32_t op_number) const {
+  return regions_[rank] + kHeaderLine + (op_number % 2) * kSlotStride;
+}
+
+char* SmallOpChannel::begin(const ChannelOpKind& kind, size_t bytes) {
+  if (bytes > kMaxBytes) {
+    throw CommError(ErrorKind::kMismatch, "small-op channel: a contribution of " +
+                                              std::to_string(bytes) + " bytes exceeds the " +
+                                              std::to_string(kMaxBytes) + "-byte slot");
+  }
+  ++op_number_;
+  char* own = slot(rank_, op_number_);
+  SlotHeader header{op_number_, static_cast<uint32_t>(bytes), kind};
+  std::memcpy(own, &header, sizeof(header));
+  return own + kSlotData;
+}
+
+void SmallOpChannel::publish() {
+  char* region = regions_[rank_];
+  // seq_cst store, then seq_cst load of `sleepers`: paired with the
+  // sleeper's increment-then-load in wait(), one of the two sides always
+  // sees the other, so no wake-up is lost.
+  word_at(region, kArrivedOffset).store(op_number_, std::memory_order_seq_cst);
+  if (word_at(region, kSleepersOffset).load(std::memory_order_seq_cst) != 0) {
+    futex_wake_all(reinterpret_cast<uint32_t*>(region + kArrivedOffset));
+  }
+}
+
+bool SmallOpChannel::all_arrived() const {
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    if (!reached(word_at(regions_[peer], kArrivedOffset).load(std::memory_order_acquire),
+                 op_number_)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::vector<int> SmallOpChannel::missing() const {
+  std::vector<int> out;
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    if (!reached(word_at(regions_[peer], kArrivedOffset).load(std::memory_order_acquire),
+                 op_number_)) {
+      out.push_back(peer);
+    }
+  }
+  return out;
+}
+
+bool SmallOpChannel::poll_until(Clock::time_point until) const {
+  const auto pure_until = std::min(until, Clock::now() + kPureSpin);
+  while (!all_arrived()) {
+    const auto now = Clock::now();
+    if (now >= until) return false;
+    if (now < pure_until) {
+      cpu_relax();
+    } else {
+      sched_yield();
+    }
+  }
+  return true;
+}
+
+void SmallOpChannel::wait(const ChannelWait& wait) const {
+  if (poll_until(std::min(wait.deadline, Clock::now() + wait.spin))) return;
+  for (;;) {
+    if (wait.check_health) wait.check_health();
+    const std::vector<int> absent = missing();
+    if (absent.empty()) return;
+    const auto now = Clock::now();
+    if (now >= wait.deadline) {
+      std::string who;
+      for (int peer : absent) {
+        who += (who.empty() ? "" : ", ") +
+               (wait.describe_peer ? wait.describe_peer(peer) : "rank " + std::to_string(peer));
+      }
+      throw CommError(ErrorKind::kTimeout,
+                      wait.description + ": timed out after " +
+                          std::to_string(wait.timeout.count()) + " ms; still waiting for " +
+                          who + " to publish its part (small-op channel, exchange " +
+                          std::to_string(op_number_) +
+                          "). A peer did not reach this collective (set the timeout with "
+                          "init_process_group(timeout=...))." +
+                          (wait.explain_timeout ? wait.explain_timeout() : std::string()));
+    }
+    // Sleep on the first absent peer; the others are looked at when it wakes.
+    char* region = regions_[absent.front()];
+    auto sleepers = word_at(region, kSleepersOffset);
+    sleepers.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t seen = word_at(region, kArrivedOffset).load(std::memory_order_seq_cst);
+    if (!reached(seen, op_number_)) {
+      futex_sleep(reinterpret_cast<uint32_t*>(region + kArrivedOffset), seen,
+                  std::min<Clock::duration>(wait.deadline - now, kSleepSlice));
+    }
+    sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
+}
+
+const ChannelOpKind& SmallOpChannel::kind_of(int rank) const {
+  return reinterpret_cast<const SlotHeader*>(slot(rank, op_number_))->kind;
+}
+
+const char* SmallOpChannel::data_of(int rank) const { return slot(rank, op_number_) + kSlotData; }
+
+size_t SmallOpChannel::bytes_of(int rank) const {
+  return reinterpret_cast<const SlotHeader*>(slot(rank, op_number_))->data_bytes;
+}
+
+}  // namespace fsdp_ext::comm

@@ -42,6 +42,12 @@ def pool2_without_process_reads():
     return get_pool(2, FSDP_EXT_PROCESS_READS="0")
 
 
+@pytest.fixture
+def pool2_without_small_ops():
+    """Small collectives through the engine and UCX messages, not the small-op channel."""
+    return get_pool(2, FSDP_EXT_SMALL_OPS="0")
+
+
 @pytest.fixture(params=[2, 3], ids=lambda n: f"ws{n}")
 def pool_without_shared_memory(request):
     """Ranks that keep to UCX messages (FSDP_EXT_SHARED_MEMORY=0), as across hosts."""

@@ -144,13 +144,26 @@ def test_meta_tensor_rejected(pool2):
     assert all(m for m in messages)
 
 
-def test_size_mismatch_between_ranks(pool2):
-    messages = pool2.run(check_mismatched_sizes_across_ranks, 4, "all_gather")
+def test_size_mismatch_between_ranks(pool2_without_small_ops):
+    messages = pool2_without_small_ops.run(check_mismatched_sizes_across_ranks, 4, "all_gather")
     # Every rank names the op, the group, itself and the peer whose size differs.
     for rank, message in enumerate(messages):
         assert message.startswith(f"fsdp_ext all_gather_into_tensor (group "), message
         assert f"rank {rank}/2" in message and f"rank {1 - rank} sent" in message, message
         assert "tensor sizes differ between ranks" in message, message
+
+
+def test_size_mismatch_between_ranks_over_small_op_channel(pool2):
+    """Small ops see every rank's op and size: each rank names the other's
+    call and its own."""
+    messages = pool2.run(check_mismatched_sizes_across_ranks, 4, "all_gather")
+    sizes = {0: 20, 1: 16}  # bytes per rank: rank 0 has one more float
+    for rank, message in enumerate(messages):
+        other = 1 - rank
+        assert message.startswith(f"fsdp_ext all_gather_into_tensor (group "), message
+        assert f"rank {rank}/2" in message, message
+        assert (f"rank {other} called all_gather of {sizes[other]} bytes where rank {rank} "
+                f"called all_gather of {sizes[rank]} bytes") in message, message
 
 
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
@@ -162,9 +175,13 @@ def test_size_mismatch_between_ranks_over_shared_memory(pool2, op):
         assert "differ between ranks" in message and f"rank {1 - rank} has" in message, messages
 
 
-@pytest.mark.parametrize("numel", [8, 100000], ids=["messages", "shared_memory"])
+@pytest.mark.parametrize("numel", [8, 100000], ids=["small_op_channel", "shared_memory"])
 def test_timeout_names_missing_peer(pool2, numel):
     pool2.run(check_timeout, numel)
+
+
+def test_timeout_names_missing_peer_over_messages(pool2_without_small_ops):
+    pool2_without_small_ops.run(check_timeout, 8)
 
 
 def test_double_import_and_registration():
@@ -309,10 +326,11 @@ def test_group_creation_logs_one_line(tmp_path, shared_memory):
         assert returncode == 0, err[-2000:]
         lines = [line for line in err.splitlines() if "fsdp_ext group '0'" in line]
         assert len(lines) == 1, err[-2000:]
-        expected = (f"rank {rank}/2, 1 host, shared memory on, process reads on"
+        expected = (f"rank {rank}/2, 1 host, shared memory on, process reads on, "
+                    "small-op channel on"
                     if shared_memory == "1" else
                     f"rank {rank}/2, 1 host, shared memory off (FSDP_EXT_SHARED_MEMORY=0), "
-                    "process reads off (no shared memory)")
+                    "process reads off (no shared memory), small-op channel off (no shared memory)")
         assert expected + ", UCX transports: " in lines[0], lines[0]
         # What UCX chose to reach the peer on this host, e.g. "sysv/memory
         # cma/memory (this host)" (the tests allow UCX_TLS=self,sm,tcp).

@@ -17,9 +17,9 @@ namespace {
 
 // The backend's own variables; the FSDP_EXT_*_ALGO ones are listed where
 // they are parsed (comm::kForcedAlgorithmVariables).
-constexpr std::array<const char*, 4> kBackendVariables = {
+constexpr std::array<const char*, 5> kBackendVariables = {
     "FSDP_EXT_SPIN_US", "FSDP_EXT_WAIT_SPIN_US", "FSDP_EXT_SHARED_MEMORY",
-    "FSDP_EXT_PROCESS_READS"};
+    "FSDP_EXT_PROCESS_READS", "FSDP_EXT_SMALL_OPS"};
 
 // Calls `visit` with every variable the backend reads.
 template <typename Visit>
@@ -80,6 +80,7 @@ BackendEnvironment read_environment(const std::string& where) {
   microseconds("FSDP_EXT_WAIT_SPIN_US", 1000, where);  // checked here, read by the Work
   out.shared_memory = switch_on("FSDP_EXT_SHARED_MEMORY", where);
   out.process_reads = switch_on("FSDP_EXT_PROCESS_READS", where);
+  out.small_ops = switch_on("FSDP_EXT_SMALL_OPS", where);
   return out;
 }
 

@@ -7,6 +7,8 @@
 //   FSDP_EXT_WAIT_SPIN_US       Work.wait() polling before sleeping (µs, default 1000)
 //   FSDP_EXT_SHARED_MEMORY      0: UCX messages only, no allocation from the group
 //   FSDP_EXT_PROCESS_READS      0: never process_vm_readv a peer; stage instead
+//   FSDP_EXT_SMALL_OPS          0: small collectives go through the engine and UCX
+//                               too, not the small-op channel
 //   FSDP_EXT_{ALLGATHER,REDUCE_SCATTER,ALLREDUCE,BROADCAST}_ALGO
 //                               auto, direct, ring or shm (comm/algorithm_selection.h;
 //                               read per op there, so tests can switch them)
@@ -21,6 +23,7 @@ struct BackendEnvironment {
   std::chrono::microseconds spin{100};
   bool shared_memory = true;
   bool process_reads = true;
+  bool small_ops = true;
 };
 
 // Reads and validates every FSDP_EXT_* variable; throws c10::ValueError

@@ -22,6 +22,7 @@
 #include "backend/tensor_validation.hpp"
 #include "backend/type_mapping.hpp"
 #include "comm/algorithms/algorithms.h"
+#include "comm/algorithms/small_ops.h"
 #include "comm/tag_scheme.h"
 
 
@@ -136,6 +137,17 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::broadcast(std::vector<at::Tensor>
   check_rank(l, opts.rootRank, "root");
   at::Tensor tensor = tensors[0];
   const int root = static_cast<int>(opts.rootRank);
+  if (use_small_ops(tensor.nbytes(), "FSDP_EXT_BROADCAST_ALGO")) {
+    return run_small(
+        l, c10d::OpType::BROADCAST, "fsdp_ext:broadcast", resolve_timeout(opts.timeout),
+        {tensor}, {},
+        [tensor, root](comm::SmallOpChannel& channel) {
+          comm::start_small_broadcast(channel, const_span_of(tensor), root);
+        },
+        [tensor, root](const comm::SmallOpChannel& channel) {
+          comm::finish_small_broadcast(channel, span_of(tensor), root);
+        });
+  }
   return enqueue(l, c10d::OpType::BROADCAST, "fsdp_ext:broadcast", true,
                  resolve_timeout(opts.timeout), {tensor}, {},
                  [tensor, root](comm::OpContext& context) {
@@ -150,6 +162,17 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allreduce(std::vector<at::Tensor>
   check_tensor(l, tensors[0], "tensor");
   at::Tensor tensor = tensors[0];
   const comm::ReduceSpec spec = reduce_spec(l, opts.reduceOp, tensor.scalar_type(), size_);
+  if (use_small_ops(tensor.nbytes(), "FSDP_EXT_ALLREDUCE_ALGO")) {
+    return run_small(
+        l, c10d::OpType::ALLREDUCE, "fsdp_ext:all_reduce", resolve_timeout(opts.timeout),
+        {tensor}, {},
+        [tensor, spec](comm::SmallOpChannel& channel) {
+          comm::start_small_allreduce(channel, const_span_of(tensor), spec);
+        },
+        [tensor, spec](const comm::SmallOpChannel& channel) {
+          comm::finish_small_allreduce(channel, span_of(tensor), spec);
+        });
+  }
   BucketMembers bucket;
   bucket.allreduce.push_back({span_of(tensor), spec});
   return enqueue_bucket(l, c10d::OpType::ALLREDUCE, "fsdp_ext:all_reduce",
@@ -200,6 +223,22 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allgather(
               "the output for this rank must match the input");
   at::Tensor input = inputs[0];
   std::vector<at::Tensor> list = outputs[0];
+  const bool even = std::all_of(list.begin(), list.end(), [&](const at::Tensor& output) {
+    return output.nbytes() == input.nbytes();
+  });
+  if (even && use_small_ops(input.nbytes(), "FSDP_EXT_ALLGATHER_ALGO")) {
+    return run_small(
+        l, c10d::OpType::ALLGATHER, "fsdp_ext:all_gather", resolve_timeout(opts.timeout), list,
+        {input},
+        [input](comm::SmallOpChannel& channel) {
+          comm::start_small_allgather(channel, const_span_of(input));
+        },
+        [list](const comm::SmallOpChannel& channel) {
+          std::vector<comm::MutableSpan> spans;
+          for (const at::Tensor& output : list) spans.push_back(span_of(output));
+          comm::finish_small_allgather(channel, spans);
+        });
+  }
   BucketMembers bucket;
   bucket.allgather.push_back({const_span_of(input), {}});
   for (const at::Tensor& output : list) bucket.allgather[0].outputs.push_back(span_of(output));
@@ -211,6 +250,20 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   const OpLabel l = label("all_gather_into_tensor");
   check_gather_into_tensor(l, output, input, "");
+  if (use_small_ops(input.nbytes(), "FSDP_EXT_ALLGATHER_ALGO")) {
+    at::Tensor in = input;
+    at::Tensor out = output;
+    const int parts = size_;
+    return run_small(
+        l, c10d::OpType::_ALLGATHER_BASE, "fsdp_ext:all_gather_into_tensor",
+        resolve_timeout(opts.timeout), {out}, {in},
+        [in](comm::SmallOpChannel& channel) {
+          comm::start_small_allgather(channel, const_span_of(in));
+        },
+        [out, parts](const comm::SmallOpChannel& channel) {
+          comm::finish_small_allgather(channel, split_evenly(out, parts));
+        });
+  }
   BucketMembers bucket;
   bucket.allgather.push_back({const_span_of(input), split_evenly(output, size_)});
   return enqueue_bucket(l, c10d::OpType::_ALLGATHER_BASE, "fsdp_ext:all_gather_into_tensor",
@@ -373,6 +426,12 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::alltoall(std::vector<at::Tensor>&
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::barrier(const c10d::BarrierOptions& opts) {
   const OpLabel l = label("barrier");
+  if (use_small_ops(0, nullptr)) {
+    return run_small(
+        l, c10d::OpType::BARRIER, "fsdp_ext:barrier", resolve_timeout(opts.timeout), {}, {},
+        [](comm::SmallOpChannel& channel) { comm::start_small_barrier(channel); },
+        [](const comm::SmallOpChannel& channel) { comm::finish_small_barrier(channel); });
+  }
   return enqueue(l, c10d::OpType::BARRIER, "fsdp_ext:barrier", true,
                  resolve_timeout(opts.timeout), {}, {},
                  [](comm::OpContext& context) { comm::barrier(context); });

@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -18,13 +19,13 @@
 #include <vector>
 
 #include "backend/fsdp_ext_work.hpp"
-#include "backend/peer_activity.hpp"
 #include "backend/op_label.hpp"
 #include "comm/algorithms/algorithms.h"
 #include "backend/peer_activity.hpp"
 #include "comm/progress_engine.h"
 #include "comm/shared_buffer_pool.h"
 #include "comm/shared_memory_domain.h"
+#include "comm/small_op_channel.h"
 
 namespace fsdp_ext::backend {
 
@@ -47,6 +48,18 @@ class FsdpExtBackend : public c10d::Backend {
   comm::SharedPoolStats pool_stats() const { return pool_->stats(); }
   size_t mapped_peer_segments() const;
   const comm::ProgressEngine& engine() const { return *engine_; }
+  // How small collectives ran (tests check the path an op took): finished
+  // on the calling thread, handed to the engine part way, or queued whole.
+  struct SmallOpCounts {
+    bool enabled = false;
+    uint64_t on_caller = 0;
+    uint64_t handed_over = 0;
+    uint64_t queued = 0;
+  };
+  SmallOpCounts small_op_counts() const {
+    return {small_ops_enabled_, small_on_caller_.load(), small_handed_over_.load(),
+            small_queued_.load()};
+  }
   const comm::SharedMemoryDomain& shared_memory_domain() const { return *shared_memory_; }
   void setTimeout(std::chrono::milliseconds timeout) override;
 
@@ -137,10 +150,36 @@ class FsdpExtBackend : public c10d::Backend {
                                                 std::vector<at::Tensor> keep_alive,
                                                 BucketMembers bucket);
 
+  // A small collective (at most SmallOpChannel::kMaxBytes per rank, group on
+  // one host, nothing forced by FSDP_EXT_*_ALGO, not inside a coalescing
+  // batch): whether it takes the small-op channel. The same answer on every
+  // rank for the same call.
+  bool use_small_ops(size_t bytes, const char* algorithm_variable);
+  // Runs a small collective through the channel: on the calling thread when
+  // the engine is idle (spinning at most the engine's spin time, then
+  // handing the wait to the engine), else queued behind the engine's ops.
+  // `start` publishes this rank's part; `finish` computes its result once
+  // every rank has published (both throw CommError, without the op's name).
+  using SmallStart = std::function<void(comm::SmallOpChannel&)>;
+  using SmallFinish = std::function<void(const comm::SmallOpChannel&)>;
+  c10::intrusive_ptr<c10d::Work> run_small(const OpLabel& label, c10d::OpType type,
+                                           const char* profiling_title,
+                                           std::chrono::milliseconds timeout,
+                                           std::vector<at::Tensor> outputs,
+                                           std::vector<at::Tensor> keep_alive, SmallStart start,
+                                           SmallFinish finish);
+
   std::chrono::milliseconds default_timeout_;
   std::string group_name_;
   std::shared_ptr<comm::SharedBufferPool> pool_;
   std::shared_ptr<comm::SharedMemoryDomain> shared_memory_;
+  // Null when this rank offered no channel; used only when enabled (every
+  // rank connected, agreed at init).
+  std::shared_ptr<comm::SmallOpChannel> small_ops_;
+  bool small_ops_enabled_ = false;
+  std::atomic<uint64_t> small_on_caller_{0};
+  std::atomic<uint64_t> small_handed_over_{0};
+  std::atomic<uint64_t> small_queued_{0};
   std::unique_ptr<comm::ProgressEngine> engine_;
   // After engine_: stopped (in shutdown) and destroyed before it.
   std::unique_ptr<PeerActivityBoard> activity_board_;

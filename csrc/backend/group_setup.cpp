@@ -96,6 +96,31 @@ std::string why_no_shared_memory(comm::SharedMemoryDomain& domain,
   return "";
 }
 
+// Whether this rank can use the small-op channel: every rank on this host
+// offered one and this rank mapped them all. Returns why not ("" when it can).
+std::string why_no_small_ops(comm::SmallOpChannel* channel, const std::vector<PeerIdentity>& peers,
+                             size_t hosts, const std::string& no_shared_memory,
+                             const BackendEnvironment& environment) {
+  if (!no_shared_memory.empty() || !environment.shared_memory) return "no shared memory";
+  if (!environment.small_ops) return "FSDP_EXT_SMALL_OPS=0";
+  if (peers.size() < 2) return "a group of one";
+  if (hosts > 1) return "the group spans hosts";
+  if (channel == nullptr) return "no channel";
+  std::vector<pid_t> pids;
+  std::vector<int> fds;
+  for (size_t peer = 0; peer < peers.size(); ++peer) {
+    if (peers[peer].small_ops_fd < 0) return "rank " + std::to_string(peer) + " has none";
+    pids.push_back(peers[peer].pid);
+    fds.push_back(peers[peer].small_ops_fd);
+  }
+  try {
+    channel->connect(pids, fds);
+  } catch (const comm::CommError& error) {
+    return std::string("a peer's region could not be mapped: ") + error.what();
+  }
+  return "";
+}
+
 std::mutex& registry_mutex() {
   static std::mutex mutex;
   return mutex;
@@ -140,20 +165,25 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   TORCH_CHECK_VALUE(size >= 1 && size < comm::tag::kMaxRanks, init_label.prefix(),
                     "group size ", size, " is out of range");
   const BackendEnvironment environment = read_environment(init_label.prefix());
-  std::string no_shared_memory, no_process_reads, unwatched_peers, layout;
+  std::string no_shared_memory, no_process_reads, no_small_ops, unwatched_peers, layout;
   size_t hosts = 0;
-  // [0]: every peer's shared memory maps; [1]: process_vm_readv works too.
-  auto shared_ok = std::make_shared<std::array<int32_t, 2>>();
+  // [0]: every peer's shared memory maps; [1]: process_vm_readv works too;
+  // [2]: the small-op channel is connected.
+  auto shared_ok = std::make_shared<std::array<int32_t, 3>>();
   std::vector<pid_t> pids;  // this host's ranks, by position (what the domain names)
   std::vector<bool> remote_peers;  // by rank: on another host
   try {
     auto transport = std::make_unique<comm::Transport>(rank, size);
     pool_ = std::make_shared<comm::SharedBufferPool>(transport->context());
     shared_memory_ = std::make_shared<comm::SharedMemoryDomain>(pool_);
+    if (size >= 2 && environment.small_ops && environment.shared_memory) {
+      small_ops_ = std::make_shared<comm::SmallOpChannel>(rank, size);
+    }
     comm::PeerLiveness liveness;
     PeerIdentity mine{transport->worker_address(), this_host(), getpid(),
                       shared_memory_->probe_piece(),
                       reinterpret_cast<uint64_t>(&kProcessReadProbeValue), liveness.endpoint()};
+    mine.small_ops_fd = small_ops_ ? small_ops_->fd() : -1;
     std::vector<PeerIdentity> peers;
     std::vector<std::vector<uint8_t>> addresses;
     for (const auto& blob : exchange_addresses(*store, rank, size, serialize(mine))) {
@@ -175,8 +205,11 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
       no_process_reads = "no shared memory";
     }
     hosts = topology.hosts.size();
+    no_small_ops =
+        why_no_small_ops(small_ops_.get(), peers, hosts, no_shared_memory, environment);
     (*shared_ok)[0] = no_shared_memory.empty() ? 1 : 0;
     (*shared_ok)[1] = (*shared_ok)[0] && no_process_reads.empty() ? 1 : 0;
+    (*shared_ok)[2] = (*shared_ok)[0] && no_small_ops.empty() ? 1 : 0;
     // Peers on other hosts are watched through an idle TCP connection each;
     // one that cannot be reached is not watched (its loss then surfaces at
     // the op's timeout), which the group's log line says.
@@ -232,6 +265,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
                         *transports = describe_transports(context, remote_peers);
                       });
   work->wait();
+  small_ops_enabled_ = (*shared_ok)[2] == 1;
   // One line per group (TORCH_CPP_LOG_LEVEL=INFO): what was agreed and, where
   // a feature is off, why this rank could not (or that another rank could not).
   auto state = [](bool on, const std::string& local_reason) {
@@ -242,7 +276,8 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   LOG(INFO) << "fsdp_ext group '" << group_name_ << "': rank " << rank << "/" << size << ", "
             << hosts << (hosts == 1 ? " host" : " hosts") << ", shared memory "
             << state((*shared_ok)[0] == 1, no_shared_memory) << ", process reads "
-            << state((*shared_ok)[1] == 1, no_process_reads) << ((*shared_ok)[0] == 1 ? layout : "")
+            << state((*shared_ok)[1] == 1, no_process_reads) << ", small-op channel "
+            << state(small_ops_enabled_, no_small_ops) << ((*shared_ok)[0] == 1 ? layout : "")
             << ", " << *transports
             << (unwatched_peers.empty() ? ""
                                         : ", not watched for loss (unreachable):" + unwatched_peers);

@@ -65,6 +65,7 @@ std::vector<uint8_t> serialize(const PeerIdentity& identity) {
   put(out, identity.probe_address);
   put<uint32_t>(out, static_cast<uint32_t>(identity.liveness_endpoint.size()));
   put_bytes(out, identity.liveness_endpoint.data(), identity.liveness_endpoint.size());
+  put<int32_t>(out, identity.small_ops_fd);
   return out;
 }
 
@@ -80,6 +81,7 @@ PeerIdentity deserialize_peer_identity(const std::vector<uint8_t>& blob) {
   identity.probe_address = reader.get<uint64_t>();
   identity.liveness_endpoint.resize(reader.get<uint32_t>());
   reader.get_bytes(identity.liveness_endpoint.data(), identity.liveness_endpoint.size());
+  identity.small_ops_fd = reader.get<int32_t>();
   return identity;
 }
 

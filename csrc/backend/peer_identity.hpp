@@ -23,6 +23,9 @@ struct PeerIdentity {
   uint64_t probe_address = 0;
   // Where peers on other hosts connect to watch this rank (peer_liveness.h).
   std::string liveness_endpoint;
+  // This rank's small-op channel region (comm/small_op_channel.h), opened
+  // by peers on this host through /proc/<pid>/fd; -1 when it has none.
+  int32_t small_ops_fd = -1;
 };
 
 // The value at PeerIdentity::probe_address.

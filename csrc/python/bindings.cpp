@@ -61,10 +61,17 @@ PYBIND11_MODULE(_C, m) {
             py::dict out;
             out["ops"] = backend.engine().ops_run();
             out["collective_sequences"] = backend.engine().sequences_used();
+            const FsdpExtBackend::SmallOpCounts small = backend.small_op_counts();
+            out["small_ops_enabled"] = small.enabled;
+            out["small_ops_on_caller"] = small.on_caller;
+            out["small_ops_handed_over"] = small.handed_over;
+            out["small_ops_queued"] = small.queued;
             return out;
           },
           "Ops run by the progress engine and collective sequence numbers used\n"
-          "(a fused bucket uses one op and one sequence number).");
+          "(a fused bucket uses one op and one sequence number); small-op channel\n"
+          "ops finished on the calling thread, handed to the engine part way, or\n"
+          "queued whole.");
 
   m.def(
       "_selected_algorithm",

@@ -1,0 +1,99 @@
+// Small collectives through the small-op channel (comm/small_op_channel.h).
+//
+// Note [small ops on the caller's thread]: when the engine is idle the caller
+// takes its turn (ProgressEngine::Turn), publishes its part and polls for
+// its peers for at most the engine's spin time (FSDP_EXT_SPIN_US). If every
+// peer arrives by then, the op completes right here -- no queue, no
+// progress-thread wake-up, no UCX message -- and the returned Work is
+// already done. Otherwise the rest of the wait goes to the engine, in this
+// op's place in the queue, so an async op still returns at once and a slow
+// peer is waited for (and timed out, and noticed dead) like any other. When
+// the engine is busy the whole op is queued behind what is already there.
+// All three ways run the same exchange, so ranks may take different ones.
+#include <c10/util/Exception.h>
+
+#include "backend/fsdp_ext_backend.hpp"
+#include "comm/algorithm_selection.h"
+#include "comm/algorithms/small_ops.h"
+
+namespace fsdp_ext::backend {
+namespace {
+
+// The waiting half of a small op, on the progress thread: with the op's
+// deadline, UCX kept moving and lost peers noticed (OpContext::channel_wait).
+void wait_and_finish(comm::SmallOpChannel& channel,
+                     const std::function<void(const comm::SmallOpChannel&)>& finish,
+                     comm::OpContext& context) {
+  channel.wait(context.channel_wait());
+  try {
+    finish(channel);
+  } catch (const comm::CommError& error) {
+    throw comm::CommError(error.kind(), context.description() + ": " + error.what());
+  }
+}
+
+}  // namespace
+
+bool FsdpExtBackend::use_small_ops(size_t bytes, const char* algorithm_variable) {
+  if (!small_ops_enabled_ || !comm::fits_small_op_channel(bytes)) return false;
+  if (algorithm_variable != nullptr && !comm::small_op_channel_allowed(algorithm_variable)) {
+    return false;
+  }
+  // Inside a coalescing batch the op joins the batch's bucket instead (the
+  // batch is the same on every rank, so every rank decides alike).
+  std::lock_guard<std::mutex> lock(coalescing_mutex_);
+  return !(coalescing_ && std::this_thread::get_id() == coalescing_thread_);
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::run_small(
+    const OpLabel& label, c10d::OpType type, const char* profiling_title,
+    std::chrono::milliseconds timeout, std::vector<at::Tensor> outputs,
+    std::vector<at::Tensor> keep_alive, SmallStart start, SmallFinish finish) {
+  std::shared_ptr<comm::SmallOpChannel> channel = small_ops_;
+  comm::ProgressEngine::Turn turn = engine_->try_take_turn();
+  if (!turn) {
+    small_queued_.fetch_add(1, std::memory_order_relaxed);
+    return enqueue(label, type, profiling_title, true, timeout, std::move(outputs),
+                   std::move(keep_alive),
+                   [channel, start = std::move(start), finish = std::move(finish)](
+                       comm::OpContext& context) {
+                     start(*channel);
+                     wait_and_finish(*channel, finish, context);
+                   });
+  }
+  auto work = c10::make_intrusive<FsdpExtWork>(rank_, type, profiling_title, outputs);
+  try {
+    start(*channel);
+    const auto spin = engine_->config().spin;
+    if (channel->poll_until(std::chrono::steady_clock::now() + spin)) {
+      finish(*channel);
+      turn.end();
+      small_on_caller_.fetch_add(1, std::memory_order_relaxed);
+      work->complete(comm::OpOutcome{});
+      return work;
+    }
+  } catch (const comm::CommError& error) {
+    comm::OpOutcome failure;
+    failure.ok = false;
+    failure.kind = error.kind();
+    failure.message = engine_->describe_op(label.op, turn.seq()) + ": " + error.what();
+    turn.fail(failure.message);
+    work->complete(failure);
+    return work;
+  }
+  small_handed_over_.fetch_add(1, std::memory_order_relaxed);
+  comm::EngineOp rest;
+  rest.name = label.op;
+  rest.collective = true;
+  rest.timeout = timeout;
+  keep_alive.insert(keep_alive.end(), outputs.begin(), outputs.end());
+  rest.keepalive = std::make_shared<std::vector<at::Tensor>>(std::move(keep_alive));
+  rest.body = [channel, finish = std::move(finish)](comm::OpContext& context) {
+    wait_and_finish(*channel, finish, context);
+  };
+  rest.on_done = [work](const comm::OpOutcome& outcome) { work->complete(outcome); };
+  turn.hand_over(std::move(rest));
+  return work;
+}
+
+}  // namespace fsdp_ext::backend

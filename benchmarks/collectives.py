@@ -72,7 +72,11 @@ def sizes_up_to(max_bytes):
 def iterations_for(nbytes):
     # Enough back-to-back ops per repeat to get past the ramp-up this VM shows
     # after a pause (the first ~10 large ops after an idle barrier run up to
-    # 2.5x slower, for gloo too), plus WARMUP untimed ones per repeat.
+    # 2.5x slower, for gloo too), plus WARMUP untimed ones per repeat. Ops of a
+    # few microseconds get more, so that a repeat lasts milliseconds and one
+    # scheduler tick lost to another process is not a 4x "slowest repeat".
+    if nbytes <= 4 << 10:
+        return 1000
     if nbytes <= 64 << 10:
         return 200
     if nbytes <= 1 << 20:
@@ -279,7 +283,11 @@ def summarize(entry, memcpy, limits=None):
     base_op = op.removesuffix("_coalesced")
     row = {
         "op": op, "world_size": n, "bytes": nbytes,
-        "algorithm": _C._selected_algorithm(base_op, nbytes, n, entry["shared_memory"]),
+        # Limits are measured for one host only, where small ops take the
+        # small-op channel (coalesced ones stay one fused bucket).
+        "algorithm": _C._selected_algorithm(
+            base_op, nbytes, n, entry["shared_memory"],
+            small_op_channel=limits is not None and not op.endswith("_coalesced")),
         "memcpy_GBps": reference,
         "fsdp_ext_worst_over_median": max(entry["seconds"]["fsdp_ext"]) / med["fsdp_ext"],
     }

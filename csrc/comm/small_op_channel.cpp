@@ -32,8 +32,6 @@ constexpr size_t kSlotData = 64;  // the data starts one line into the slot
 static_assert(sizeof(SlotHeader) <= kSlotData);
 constexpr size_t kSlotStride = kSlotData + SmallOpChannel::kMaxBytes;
 
-// How long to poll with a pause before yielding the core between polls.
-constexpr auto kPureSpin = std::chrono::microseconds(2);
 // The longest single sleep on a futex word: bounds how late the deadline and
 // the group's health are looked at.
 constexpr auto kSleepSlice = std::chrono::milliseconds(1);
@@ -46,14 +44,6 @@ std::atomic_ref<uint32_t> word_at(char* region, size_t offset) {
 // ahead of it.
 bool reached(uint32_t published, uint32_t wanted) {
   return static_cast<int32_t>(published - wanted) >= 0;
-}
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
 }
 
 // Sleeps while *word == seen, at most `timeout`, on a futex shared between
@@ -149,15 +139,14 @@ std::vector<int> SmallOpChannel::missing() const {
 }
 
 bool SmallOpChannel::poll_until(Clock::time_point until) const {
-  const auto pure_until = std::min(until, Clock::now() + kPureSpin);
+  // Yield between polls from the start: it costs ~0.3 us when nothing else
+  // wants this core, and runs a peer that shares it at once. Measured, 8 B
+  // all-reduce: 2 ranks pinned to one core 15.5 us (17.3 us with a 2 us
+  // pause-spin first), 2 ranks on 2 cores no slower, 4 ranks on 2 cores
+  // 18 us (20 us).
   while (!all_arrived()) {
-    const auto now = Clock::now();
-    if (now >= until) return false;
-    if (now < pure_until) {
-      cpu_relax();
-    } else {
-      sched_yield();
-    }
+    if (Clock::now() >= until) return false;
+    sched_yield();
   }
   return true;
 }

@@ -17,8 +17,8 @@
 // reason every op is a full exchange, even a broadcast, whose root would
 // otherwise race ahead and overwrite a slot still being read.
 //
-// Waiting: poll with a pause for a short while, then poll yielding the core
-// (with 4 ranks on 2 cores a peer that has not run yet may need this one),
+// Waiting: poll, yielding the core between polls (with 4 ranks on 2 cores a
+// peer that has not run yet may need this one), for the engine's spin time,
 // and only then sleep on the slowest peer's futex word, in slices between
 // which the deadline and the group's health are checked. The publisher wakes
 // sleepers only when `sleepers` says there are any, so a hot exchange costs
@@ -100,7 +100,7 @@ class SmallOpChannel {
   void publish();
   // Whether every peer has published the current op (never blocks).
   bool all_arrived() const;
-  // Polls (pausing, then yielding the core) until every peer published or
+  // Polls (yielding the core) until every peer published or
   // `until` passes; never sleeps. True when all have arrived.
   bool poll_until(std::chrono::steady_clock::time_point until) const;
   // Blocks until every peer published: polls for `wait.spin`, then sleeps.

@@ -8,6 +8,7 @@
 
 #include "backend/fsdp_ext_backend.hpp"
 #include "comm/algorithm_selection.h"
+#include "comm/algorithms/small_ops.h"
 #include "comm/memory_limits.h"
 #include "fsdp/copy_kernels.hpp"
 
@@ -75,22 +76,38 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "_selected_algorithm",
-      [](const std::string& op, size_t bytes, int group_size, bool shared_memory) {
+      [](const std::string& op, size_t bytes, int group_size, bool shared_memory,
+         bool small_op_channel) -> std::string {
         using namespace fsdp_ext::comm;
+        // What each rank contributes to the small-op channel, for the ops
+        // that may take it (the backend decides the same way: small_ops.cpp).
+        auto channel = [&](size_t per_rank, const char* variable) {
+          return small_op_channel && group_size > 1 && fits_small_op_channel(per_rank) &&
+                 small_op_channel_allowed(variable);
+        };
         if (op == "all_gather_into_tensor") {
+          if (channel(bytes / group_size, "FSDP_EXT_ALLGATHER_ALGO")) return "channel";
           return algorithm_name(select_allgather(bytes, group_size, shared_memory));
         }
         if (op == "reduce_scatter_tensor") {
           return algorithm_name(select_reduce_scatter(bytes, group_size, shared_memory));
         }
-        if (op == "all_reduce") return algorithm_name(select_allreduce(bytes, group_size, shared_memory));
-        if (op == "broadcast") return algorithm_name(select_broadcast(bytes, group_size, shared_memory));
+        if (op == "all_reduce") {
+          if (channel(bytes, "FSDP_EXT_ALLREDUCE_ALGO")) return "channel";
+          return algorithm_name(select_allreduce(bytes, group_size, shared_memory));
+        }
+        if (op == "broadcast") {
+          if (channel(bytes, "FSDP_EXT_BROADCAST_ALGO")) return "channel";
+          return algorithm_name(select_broadcast(bytes, group_size, shared_memory));
+        }
         throw py::value_error("unknown op '" + op + "'");
       },
       py::arg("op"), py::arg("bytes"), py::arg("group_size"), py::arg("shared_memory") = true,
+      py::arg("small_op_channel") = false,
       "The algorithm fsdp_ext picks for `op` on a message of `bytes` (the\n"
       "all-gather output / reduce-scatter input / buffer) in a group of `group_size`\n"
-      "whose ranks do (or do not) share memory.");
+      "whose ranks do (or do not) share memory; \"channel\" where a group with the\n"
+      "small-op channel on (one host) completes the op through it.");
 
   // The benchmark's physical references (comm/memory_limits.h).
   m.def("_concurrent_peer_copy_seconds", &fsdp_ext::comm::concurrent_peer_copy_seconds,

@@ -199,6 +199,24 @@ def check_different_ops_are_a_clear_error(ctx):
     return message
 
 
+def check_size_straddling_the_limit(ctx, op):
+    """Rank 0's size fits the channel, rank 1's does not: a mismatch on both
+    ranks within seconds (Note [a size that straddles the channel's limit]),
+    not a wait for the 60 s timeout."""
+    n, rank = ctx.world_size, ctx.rank
+    group = dist.new_group(timeout=datetime.timedelta(seconds=60))
+    numel = 1000 if rank == 0 else 1100  # 4000 bytes, 4400 bytes
+    start = time.monotonic()
+    with pytest.raises(dist.DistBackendError) as info:
+        if op == "all_gather":
+            dist.all_gather_into_tensor(torch.empty(numel * n), torch.ones(numel), group=group)
+        else:
+            dist.all_reduce(torch.ones(numel), group=group)
+    elapsed = time.monotonic() - start
+    dist.destroy_process_group(group)
+    return str(info.value), elapsed
+
+
 def check_disabled(ctx):
     before = counters()
     tensor = torch.ones(3)
@@ -287,6 +305,19 @@ def test_different_ops_are_a_clear_error(pool2):
         assert f"rank {rank}/2" in message, message
         assert f"rank {1 - rank} called {ops[1 - rank]} where rank {rank} called {ops[rank]}" \
             in message, message
+
+
+@pytest.mark.parametrize("op", ["all_gather", "all_reduce"])
+def test_size_straddling_the_limit_is_a_mismatch(pool2, op):
+    results = pool2.run(check_size_straddling_the_limit, op)
+    for rank, (message, elapsed) in enumerate(results):
+        assert elapsed < 20, (rank, elapsed, message)
+        assert f"rank {rank}/2" in message, message
+        assert "the ranks' sizes differ" in message, message
+    channel_side, ucx_side = results[0][0], results[1][0]
+    assert "rank 1 runs this collective over UCX messages where rank 0 called" in channel_side
+    assert "through the small-op channel" in channel_side
+    assert "rank 0 called" in ucx_side and "where rank 1 runs this collective over UCX" in ucx_side
 
 
 def test_disabled_by_environment(pool2_without_small_ops):

@@ -141,8 +141,8 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::broadcast(std::vector<at::Tensor>
     return run_small(
         l, c10d::OpType::BROADCAST, "fsdp_ext:broadcast", resolve_timeout(opts.timeout),
         {tensor}, {},
-        [tensor, root](comm::SmallOpChannel& channel) {
-          comm::start_small_broadcast(channel, const_span_of(tensor), root);
+        [tensor, root](comm::SmallOpChannel& channel, uint64_t seq) {
+          comm::start_small_broadcast(channel, seq, const_span_of(tensor), root);
         },
         [tensor, root](const comm::SmallOpChannel& channel) {
           comm::finish_small_broadcast(channel, span_of(tensor), root);
@@ -166,8 +166,8 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allreduce(std::vector<at::Tensor>
     return run_small(
         l, c10d::OpType::ALLREDUCE, "fsdp_ext:all_reduce", resolve_timeout(opts.timeout),
         {tensor}, {},
-        [tensor, spec](comm::SmallOpChannel& channel) {
-          comm::start_small_allreduce(channel, const_span_of(tensor), spec);
+        [tensor, spec](comm::SmallOpChannel& channel, uint64_t seq) {
+          comm::start_small_allreduce(channel, seq, const_span_of(tensor), spec);
         },
         [tensor, spec](const comm::SmallOpChannel& channel) {
           comm::finish_small_allreduce(channel, span_of(tensor), spec);
@@ -230,8 +230,8 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allgather(
     return run_small(
         l, c10d::OpType::ALLGATHER, "fsdp_ext:all_gather", resolve_timeout(opts.timeout), list,
         {input},
-        [input](comm::SmallOpChannel& channel) {
-          comm::start_small_allgather(channel, const_span_of(input));
+        [input](comm::SmallOpChannel& channel, uint64_t seq) {
+          comm::start_small_allgather(channel, seq, const_span_of(input));
         },
         [list](const comm::SmallOpChannel& channel) {
           std::vector<comm::MutableSpan> spans;
@@ -257,8 +257,8 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::_allgather_base(
     return run_small(
         l, c10d::OpType::_ALLGATHER_BASE, "fsdp_ext:all_gather_into_tensor",
         resolve_timeout(opts.timeout), {out}, {in},
-        [in](comm::SmallOpChannel& channel) {
-          comm::start_small_allgather(channel, const_span_of(in));
+        [in](comm::SmallOpChannel& channel, uint64_t seq) {
+          comm::start_small_allgather(channel, seq, const_span_of(in));
         },
         [out, parts](const comm::SmallOpChannel& channel) {
           comm::finish_small_allgather(channel, split_evenly(out, parts));
@@ -429,7 +429,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::barrier(const c10d::BarrierOption
   if (use_small_ops(0, nullptr)) {
     return run_small(
         l, c10d::OpType::BARRIER, "fsdp_ext:barrier", resolve_timeout(opts.timeout), {}, {},
-        [](comm::SmallOpChannel& channel) { comm::start_small_barrier(channel); },
+        [](comm::SmallOpChannel& channel, uint64_t seq) { comm::start_small_barrier(channel, seq); },
         [](const comm::SmallOpChannel& channel) { comm::finish_small_barrier(channel); });
   }
   return enqueue(l, c10d::OpType::BARRIER, "fsdp_ext:barrier", true,

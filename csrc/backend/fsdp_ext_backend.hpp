@@ -158,9 +158,9 @@ class FsdpExtBackend : public c10d::Backend {
   // Runs a small collective through the channel: on the calling thread when
   // the engine is idle (spinning at most the engine's spin time, then
   // handing the wait to the engine), else queued behind the engine's ops.
-  // `start` publishes this rank's part; `finish` computes its result once
+  // `start` publishes this rank's part as collective `seq`; `finish` computes its result once
   // every rank has published (both throw CommError, without the op's name).
-  using SmallStart = std::function<void(comm::SmallOpChannel&)>;
+  using SmallStart = std::function<void(comm::SmallOpChannel&, uint64_t seq)>;
   using SmallFinish = std::function<void(const comm::SmallOpChannel&)>;
   c10::intrusive_ptr<c10d::Work> run_small(const OpLabel& label, c10d::OpType type,
                                            const char* profiling_title,

@@ -228,6 +228,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     config.group_name = group_name_;
     config.spin = environment.spin;
     config.shared_memory = shared_memory_;
+    config.small_ops = small_ops_;
     config.liveness = liveness.take_connections();
     config.explain_timeout = [this](const comm::EngineActivity& mine) {
       return activity_board_ ? activity_board_->describe_others(

@@ -50,20 +50,32 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::run_small(
     std::chrono::milliseconds timeout, std::vector<at::Tensor> outputs,
     std::vector<at::Tensor> keep_alive, SmallStart start, SmallFinish finish) {
   std::shared_ptr<comm::SmallOpChannel> channel = small_ops_;
+  auto work = c10::make_intrusive<FsdpExtWork>(rank_, type, profiling_title, outputs);
+  // What the engine runs: the whole op when it is busy, or the rest of it.
+  auto engine_op = [&](std::function<void(comm::OpContext&)> body) {
+    comm::EngineOp op;
+    op.name = label.op;
+    op.collective = true;
+    op.small_op = true;
+    op.timeout = timeout;
+    keep_alive.insert(keep_alive.end(), outputs.begin(), outputs.end());
+    op.keepalive = std::make_shared<std::vector<at::Tensor>>(std::move(keep_alive));
+    op.body = std::move(body);
+    op.on_done = [work](const comm::OpOutcome& outcome) { work->complete(outcome); };
+    return op;
+  };
   comm::ProgressEngine::Turn turn = engine_->try_take_turn();
   if (!turn) {
     small_queued_.fetch_add(1, std::memory_order_relaxed);
-    return enqueue(label, type, profiling_title, true, timeout, std::move(outputs),
-                   std::move(keep_alive),
-                   [channel, start = std::move(start), finish = std::move(finish)](
-                       comm::OpContext& context) {
-                     start(*channel);
-                     wait_and_finish(*channel, finish, context);
-                   });
+    engine_->submit(engine_op([channel, start = std::move(start), finish = std::move(finish)](
+                                  comm::OpContext& context) {
+      start(*channel, context.seq());
+      wait_and_finish(*channel, finish, context);
+    }));
+    return work;
   }
-  auto work = c10::make_intrusive<FsdpExtWork>(rank_, type, profiling_title, outputs);
   try {
-    start(*channel);
+    start(*channel, turn.seq());
     const auto spin = engine_->config().spin;
     if (channel->poll_until(std::chrono::steady_clock::now() + spin)) {
       finish(*channel);
@@ -82,17 +94,9 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::run_small(
     return work;
   }
   small_handed_over_.fetch_add(1, std::memory_order_relaxed);
-  comm::EngineOp rest;
-  rest.name = label.op;
-  rest.collective = true;
-  rest.timeout = timeout;
-  keep_alive.insert(keep_alive.end(), outputs.begin(), outputs.end());
-  rest.keepalive = std::make_shared<std::vector<at::Tensor>>(std::move(keep_alive));
-  rest.body = [channel, finish = std::move(finish)](comm::OpContext& context) {
+  turn.hand_over(engine_op([channel, finish = std::move(finish)](comm::OpContext& context) {
     wait_and_finish(*channel, finish, context);
-  };
-  rest.on_done = [work](const comm::OpOutcome& outcome) { work->complete(outcome); };
-  turn.hand_over(std::move(rest));
+  }));
   return work;
 }
 

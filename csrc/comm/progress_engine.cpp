@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "comm/small_op_channel.h"
 #include "comm/tag_scheme.h"
 
 namespace fsdp_ext::comm {
@@ -328,6 +329,10 @@ void ProgressEngine::run_op(EngineOp& op) {
   OpContext context(*this, *transport_, *scratch_, description, seq, deadline,
                     op.timeout);
   running_ = &op;
+  running_seq_ = seq;
+  if (config_.small_ops && op.collective && !op.small_op) {
+    config_.small_ops->announce_engine_collective(seq);
+  }
   try {
     op.body(context);
   } catch (const CommError& error) {
@@ -506,6 +511,18 @@ void ProgressEngine::wait_for(const std::string& description, Clock::time_point 
     if (progressed > 0) {
       idle = fresh_idle_state();
       continue;
+    }
+    // Note [a size that straddles the channel's limit] (small_op_channel.h).
+    if (config_.small_ops && running_ != nullptr && running_->collective && !running_->small_op) {
+      const std::string peer = config_.small_ops->peer_in_channel_op(running_seq_);
+      if (!peer.empty()) {
+        fail(ErrorKind::kMismatch,
+             description + ": " + peer + " through the small-op channel (at most " +
+                 std::to_string(SmallOpChannel::kMaxBytes) + " bytes per rank) where rank " +
+                 std::to_string(config_.rank) +
+                 " runs this collective over UCX messages: the ranks' sizes differ, or a "
+                 "forced FSDP_EXT_*_ALGO that not every rank set");
+      }
     }
     // Point-to-point ops posted earlier complete while a collective waits.
     if (poll_in_flight(false)) continue;

@@ -38,6 +38,7 @@
 namespace fsdp_ext::comm {
 
 class SharedMemoryDomain;
+class SmallOpChannel;
 
 constexpr size_t kAllRequests = ~size_t{0};
 
@@ -60,6 +61,9 @@ struct EngineOp {
   // Non-zero: the rest of a collective begun on a caller's turn (see
   // Turn), which already holds this sequence number.
   uint64_t continues_seq = 0;
+  // The op runs in the small-op channel, not over UCX messages (it is not
+  // announced there: see SmallOpChannel::announce_engine_collective).
+  bool small_op = false;
 };
 
 // Who a peer is, for error messages and dead-peer detection.
@@ -118,6 +122,10 @@ struct EngineConfig {
   std::chrono::microseconds spin{100};
   // Set for groups whose ranks may share memory (see shared_memory_domain.h).
   std::shared_ptr<SharedMemoryDomain> shared_memory;
+  // The group's small-op channel, if this rank has one: the engine announces
+  // its UCX collectives there and looks for peers that took the channel for
+  // the same op (Note [a size that straddles the channel's limit]).
+  std::shared_ptr<SmallOpChannel> small_ops;
 };
 
 class ProgressEngine {
@@ -269,6 +277,7 @@ class ProgressEngine {
   std::vector<InFlight> in_flight_;
   std::vector<Orphan> orphans_;
   EngineOp* running_ = nullptr;
+  uint64_t running_seq_ = 0;
 
   std::unique_ptr<EngineWakeup> wakeup_;
   std::thread thread_;

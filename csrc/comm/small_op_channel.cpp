@@ -11,6 +11,7 @@
 #include <climits>
 #include <cstring>
 
+#include "comm/data_type.h"
 #include "comm/error.h"
 
 namespace fsdp_ext::comm {
@@ -22,6 +23,8 @@ using Clock = std::chrono::steady_clock;
 // words; each slot starts on its own cache lines.
 constexpr size_t kArrivedOffset = 0;
 constexpr size_t kSleepersOffset = 4;
+constexpr size_t kChannelSeqOffset = 8;  // uint64: collective number of the last published op
+constexpr size_t kEngineSeqOffset = 16;  // uint64: the last collective begun over UCX
 constexpr size_t kHeaderLine = 64;
 struct SlotHeader {
   uint32_t op_number;
@@ -38,6 +41,10 @@ constexpr auto kSleepSlice = std::chrono::milliseconds(1);
 
 std::atomic_ref<uint32_t> word_at(char* region, size_t offset) {
   return std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(region + offset));
+}
+
+std::atomic_ref<uint64_t> seq_at(char* region, size_t offset) {
+  return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(region + offset));
 }
 
 // Op numbers wrap; `published` has reached `wanted` when it is at most 2^31
@@ -91,13 +98,14 @@ char* SmallOpChannel::slot(int rank, uint32_t op_number) const {
   return regions_[rank] + kHeaderLine + (op_number % 2) * kSlotStride;
 }
 
-char* SmallOpChannel::begin(const ChannelOpKind& kind, size_t bytes) {
+char* SmallOpChannel::begin(const ChannelOpKind& kind, size_t bytes, uint64_t seq) {
   if (bytes > kMaxBytes) {
     throw CommError(ErrorKind::kMismatch, "small-op channel: a contribution of " +
                                               std::to_string(bytes) + " bytes exceeds the " +
                                               std::to_string(kMaxBytes) + "-byte slot");
   }
   ++op_number_;
+  seq_ = seq;
   char* own = slot(rank_, op_number_);
   SlotHeader header{op_number_, static_cast<uint32_t>(bytes), kind};
   std::memcpy(own, &header, sizeof(header));
@@ -110,6 +118,9 @@ void SmallOpChannel::publish() {
   // sleeper's increment-then-load in wait(), one of the two sides always
   // sees the other, so no wake-up is lost.
   word_at(region, kArrivedOffset).store(op_number_, std::memory_order_seq_cst);
+  // After `arrived`: whoever sees this number also sees the op's slot
+  // (peer_in_channel_op).
+  seq_at(region, kChannelSeqOffset).store(seq_, std::memory_order_release);
   if (word_at(region, kSleepersOffset).load(std::memory_order_seq_cst) != 0) {
     futex_wake_all(reinterpret_cast<uint32_t*>(region + kArrivedOffset));
   }
@@ -173,6 +184,21 @@ void SmallOpChannel::wait(const ChannelWait& wait) const {
                           "init_process_group(timeout=...))." +
                           (wait.explain_timeout ? wait.explain_timeout() : std::string()));
     }
+    // Note [a size that straddles the channel's limit] (the header).
+    for (int peer : absent) {
+      if (seq_ != 0 &&
+          seq_at(regions_[peer], kEngineSeqOffset).load(std::memory_order_relaxed) == seq_) {
+        throw CommError(ErrorKind::kMismatch,
+                        wait.description + ": rank " + std::to_string(peer) +
+                            " runs this collective over UCX messages where rank " +
+                            std::to_string(rank_) + " called " +
+                            describe_small_op(kind_of(rank_)) +
+                            " through the small-op channel (at most " +
+                            std::to_string(kMaxBytes) +
+                            " bytes per rank): the ranks' sizes differ, or a forced "
+                            "FSDP_EXT_*_ALGO that not every rank set");
+      }
+    }
     // Sleep on the first absent peer; the others are looked at when it wakes.
     char* region = regions_[absent.front()];
     auto sleepers = word_at(region, kSleepersOffset);
@@ -184,6 +210,45 @@ void SmallOpChannel::wait(const ChannelWait& wait) const {
     }
     sleepers.fetch_sub(1, std::memory_order_seq_cst);
   }
+}
+
+void SmallOpChannel::announce_engine_collective(uint64_t seq) {
+  seq_at(regions_[rank_], kEngineSeqOffset).store(seq, std::memory_order_relaxed);
+}
+
+std::string SmallOpChannel::peer_in_channel_op(uint64_t seq) const {
+  if (!connected_ || seq == 0) return "";
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    if (seq_at(regions_[peer], kChannelSeqOffset).load(std::memory_order_acquire) != seq) continue;
+    // Stored after `arrived` (publish): this is the op that carries `seq`.
+    const uint32_t published =
+        word_at(regions_[peer], kArrivedOffset).load(std::memory_order_relaxed);
+    const auto* header = reinterpret_cast<const SlotHeader*>(slot(peer, published));
+    return "rank " + std::to_string(peer) + " called " + describe_small_op(header->kind);
+  }
+  return "";
+}
+
+std::string describe_small_op(const ChannelOpKind& kind) {
+  std::string what;
+  switch (static_cast<SmallOp>(kind.op)) {
+    case SmallOp::kAllreduce:
+      what = std::string("all_reduce (") + data_type_name(static_cast<DataType>(kind.detail & 0xff)) +
+             " " + reduce_kind_name(static_cast<ReduceKind>((kind.detail >> 8) & 0xff)) + ")";
+      break;
+    case SmallOp::kAllgather:
+      what = "all_gather";
+      break;
+    case SmallOp::kBroadcast:
+      what = "broadcast (root " + std::to_string(kind.detail) + ")";
+      break;
+    case SmallOp::kBarrier:
+      return "barrier";
+    default:
+      return "an unknown op (" + std::to_string(kind.op) + ")";
+  }
+  return what + " of " + std::to_string(kind.bytes) + " bytes";
 }
 
 const ChannelOpKind& SmallOpChannel::kind_of(int rank) const {

@@ -5,7 +5,9 @@
 //
 // Each rank owns a region that its peers map: a header line with `arrived`
 // (the number of the last channel op this rank published; the futex word
-// peers sleep on) and `sleepers` (how many peers sleep on it), then two
+// peers sleep on), `sleepers` (how many peers sleep on it) and the
+// collective numbers of its last channel and UCX ops (see the note on
+// straddling sizes below), then two
 // slots, used by ops of even and odd number, each a small header (the op's
 // number and what the op is) and up to kMaxBytes of this rank's data.
 //
@@ -41,6 +43,9 @@
 
 namespace fsdp_ext::comm {
 
+// The collectives the channel carries (algorithms/small_ops.h runs them).
+enum class SmallOp : uint32_t { kAllreduce = 1, kAllgather = 2, kBroadcast = 3, kBarrier = 4 };
+
 // What an op is, written by every rank beside its data: ranks compare them
 // to catch a peer that called a different collective or another size.
 struct ChannelOpKind {
@@ -52,6 +57,9 @@ struct ChannelOpKind {
   }
   bool operator!=(const ChannelOpKind& other) const { return !(*this == other); }
 };
+
+// "all_reduce (float32 SUM) of 8 bytes": how errors name an op.
+std::string describe_small_op(const ChannelOpKind& kind);
 
 // How a blocking wait behaves (SmallOpChannel::wait).
 struct ChannelWait {
@@ -93,9 +101,10 @@ class SmallOpChannel {
   bool connected() const { return connected_; }
 
   // --- one op at a time, by the turn holder ------------------------------
-  // Starts the next op: returns where this rank's contribution of `bytes`
-  // (at most kMaxBytes) goes. The number of the op is op_number().
-  char* begin(const ChannelOpKind& kind, size_t bytes);
+  // Starts the next op, the group's collective number `seq` (the engine's
+  // sequence number): returns where this rank's contribution of `bytes` (at
+  // most kMaxBytes) goes. The channel's own number is op_number().
+  char* begin(const ChannelOpKind& kind, size_t bytes, uint64_t seq);
   // Makes the contribution visible and wakes peers that sleep on it.
   void publish();
   // Whether every peer has published the current op (never blocks).
@@ -117,6 +126,21 @@ class SmallOpChannel {
   // Ranks that have not published the current op yet (for messages).
   std::vector<int> missing() const;
 
+  // Note [a size that straddles the channel's limit]: ranks whose sizes
+  // differ around kMaxBytes disagree on the path, one waiting in the channel
+  // and one on UCX messages. Each side looks for the other instead of
+  // waiting out the timeout: the engine announces each collective it runs
+  // over UCX here, and
+  //   - wait() fails with kMismatch when an absent peer announced this op's
+  //     sequence number (it runs the op over UCX);
+  //   - the engine, waiting on UCX, asks peer_in_channel_op for its op's
+  //     number and fails the same way.
+  // Progress thread only; harmless (and never matching) before connect.
+  void announce_engine_collective(uint64_t seq);
+  // "" or "rank 2 called all_reduce (float32 SUM) of 8 bytes": a peer that
+  // published collective `seq` in the channel.
+  std::string peer_in_channel_op(uint64_t seq) const;
+
  private:
   char* slot(int rank, uint32_t op_number) const;
 
@@ -127,6 +151,7 @@ class SmallOpChannel {
   std::vector<char*> regions_;              // by rank, this one included
   bool connected_ = false;
   uint32_t op_number_ = 0;
+  uint64_t seq_ = 0;  // the current op's collective number
 };
 
 }  // namespace fsdp_ext::comm

@@ -90,7 +90,7 @@ TEST_P(SmallOps, ThousandsOfMixedOpsGiveExactResults) {
       const size_t bytes = count * sizeof(int32_t);
       switch (iteration % 4) {
         case 0: {
-          start_small_allreduce(channel, {data.data(), bytes}, sum);
+          start_small_allreduce(channel, iteration + 1, {data.data(), bytes}, sum);
           channel.wait(wait_for(30s));
           finish_small_allreduce(channel, {data.data(), bytes}, sum);
           for (size_t i = 0; i < count; ++i) {
@@ -103,7 +103,7 @@ TEST_P(SmallOps, ThousandsOfMixedOpsGiveExactResults) {
           std::vector<int32_t> gathered(count * n, -1);
           std::vector<MutableSpan> outputs;
           for (int r = 0; r < n; ++r) outputs.push_back({gathered.data() + r * count, bytes});
-          start_small_allgather(channel, {data.data(), bytes});
+          start_small_allgather(channel, iteration + 1, {data.data(), bytes});
           channel.wait(wait_for(30s));
           finish_small_allgather(channel, outputs);
           for (int r = 0; r < n; ++r) {
@@ -115,7 +115,7 @@ TEST_P(SmallOps, ThousandsOfMixedOpsGiveExactResults) {
         }
         case 2: {
           const int root = iteration % n;
-          start_small_broadcast(channel, {data.data(), bytes}, root);
+          start_small_broadcast(channel, iteration + 1, {data.data(), bytes}, root);
           channel.wait(wait_for(30s));
           finish_small_broadcast(channel, {data.data(), bytes}, root);
           for (size_t i = 0; i < count; ++i) {
@@ -124,7 +124,7 @@ TEST_P(SmallOps, ThousandsOfMixedOpsGiveExactResults) {
           break;
         }
         default:
-          start_small_barrier(channel);
+          start_small_barrier(channel, iteration + 1);
           channel.wait(wait_for(30s));
           finish_small_barrier(channel);
       }
@@ -142,7 +142,7 @@ TEST(SmallOpsReductions, AverageAndPremultipliedSumOfFloats) {
     SmallOpChannel& channel = *channels[rank];
     std::vector<double> values = {1.0 + rank, 2.0 * rank, -3.0};
     ReduceSpec average{DataType::kFloat64, ReduceKind::kSum, 1.0, 1.0 / 3};
-    start_small_allreduce(channel, {values.data(), 24}, average);
+    start_small_allreduce(channel, 1, {values.data(), 24}, average);
     channel.wait(wait_for(30s));
     finish_small_allreduce(channel, {values.data(), 24}, average);
     EXPECT_DOUBLE_EQ(values[0], 2.0);
@@ -150,7 +150,7 @@ TEST(SmallOpsReductions, AverageAndPremultipliedSumOfFloats) {
     EXPECT_DOUBLE_EQ(values[2], -3.0);
     std::vector<float> halves = {1.0f, static_cast<float>(rank)};
     ReduceSpec premul{DataType::kFloat32, ReduceKind::kSum, 0.5, 1.0};
-    start_small_allreduce(channel, {halves.data(), 8}, premul);
+    start_small_allreduce(channel, 2, {halves.data(), 8}, premul);
     channel.wait(wait_for(30s));
     finish_small_allreduce(channel, {halves.data(), 8}, premul);
     EXPECT_FLOAT_EQ(halves[0], 1.5f);
@@ -164,7 +164,7 @@ TEST(SmallOpsErrors, DifferentOpsOrSizesFailOnEveryRankNamingBoth) {
   const auto errors = on_every_rank(3, [&](int rank) {
     SmallOpChannel& channel = *channels[rank];
     std::vector<float> data(rank == 2 ? 3 : 2, 1.0f);
-    start_small_allreduce(channel, {data.data(), data.size() * 4},
+    start_small_allreduce(channel, 1, {data.data(), data.size() * 4},
                           ReduceSpec{DataType::kFloat32, ReduceKind::kMax});
     channel.wait(wait_for(30s));
     finish_small_allreduce(channel, {data.data(), data.size() * 4},
@@ -185,7 +185,7 @@ TEST(SmallOpsErrors, AContributionLargerThanASlotIsRefused) {
   SmallOpChannel channel(0, 2);
   std::vector<char> data(SmallOpChannel::kMaxBytes + 1);
   try {
-    start_small_allgather(channel, {data.data(), data.size()});
+    start_small_allgather(channel, 1, {data.data(), data.size()});
     FAIL() << "no error";
   } catch (const CommError& error) {
     EXPECT_NE(std::string(error.what()).find("4097 bytes exceeds the 4096-byte slot"),
@@ -200,8 +200,8 @@ TEST(SmallOpsWaiting, AnAbsentPeerTimesOutNamingIt) {
   auto channels = connected_channels(3);
   const auto start = Clock::now();
   // Ranks 0 and 1 publish; rank 2 never does.
-  start_small_barrier(*channels[1]);
-  start_small_barrier(*channels[0]);
+  start_small_barrier(*channels[1], 1);
+  start_small_barrier(*channels[0], 1);
   ChannelWait wait = wait_for(300ms);
   wait.describe_peer = [](int rank) { return "peer " + std::to_string(rank); };
   wait.explain_timeout = [] { return std::string(" (what the others did)"); };
@@ -225,7 +225,7 @@ TEST(SmallOpsWaiting, AnAbsentPeerTimesOutNamingIt) {
 
 TEST(SmallOpsWaiting, AFailedHealthCheckEndsTheWait) {
   auto channels = connected_channels(2);
-  start_small_barrier(*channels[0]);
+  start_small_barrier(*channels[0], 1);
   std::atomic<int> checks{0};
   ChannelWait wait = wait_for(30s);
   wait.check_health = [&] {
@@ -250,17 +250,45 @@ TEST(SmallOpsWaiting, ALatePeerWakesASleepingWaiter) {
     std::thread late([&] {
       std::this_thread::sleep_for(5ms);
       int32_t value = 7;
-      start_small_broadcast(*channels[1], {&value, 4}, 1);
+      start_small_broadcast(*channels[1], round + 1, {&value, 4}, 1);
       channels[1]->wait(wait_for(30s));
       finish_small_broadcast(*channels[1], {&value, 4}, 1);
     });
     int32_t value = 0;
-    start_small_broadcast(*channels[0], {&value, 4}, 1);
+    start_small_broadcast(*channels[0], round + 1, {&value, 4}, 1);
     channels[0]->wait(wait_for(30s));
     finish_small_broadcast(*channels[0], {&value, 4}, 1);
     late.join();
     EXPECT_EQ(value, 7);
   }
+}
+
+// Note [a size that straddles the channel's limit]: one rank in the channel,
+// the other over UCX with the same collective number; each side says so.
+TEST(SmallOpsWaiting, APeerRunningTheOpOverUcxIsAMismatchNotATimeout) {
+  auto channels = connected_channels(2);
+  channels[1]->announce_engine_collective(7);
+  float value = 1.0f;
+  start_small_allreduce(*channels[0], 7, {&value, 4},
+                        ReduceSpec{DataType::kFloat32, ReduceKind::kSum});
+  const auto start = Clock::now();
+  try {
+    channels[0]->wait(wait_for(30s));
+    FAIL() << "no error";
+  } catch (const CommError& error) {
+    EXPECT_EQ(error.kind(), ErrorKind::kMismatch);
+    EXPECT_NE(std::string(error.what())
+                  .find("rank 1 runs this collective over UCX messages where rank 0 called "
+                        "all_reduce (float32 SUM) of 4 bytes through the small-op channel"),
+              std::string::npos)
+        << error.what();
+  }
+  EXPECT_LT(Clock::now() - start, 5s);
+  // And from the UCX side: rank 1 finds rank 0 in the channel at op 7.
+  EXPECT_EQ(channels[1]->peer_in_channel_op(7), "rank 0 called all_reduce (float32 SUM) of 4 bytes");
+  EXPECT_EQ(channels[1]->peer_in_channel_op(8), "");
+  SmallOpChannel unconnected(0, 2);
+  EXPECT_EQ(unconnected.peer_in_channel_op(7), "");
 }
 
 // --- the engine's Turn ---------------------------------------------------
@@ -363,7 +391,7 @@ TEST(EngineTurn, ChannelWaitOnTheEngineSeesAbsentPeersTimeOut) {
   auto future = group.submit(
       0, "all_reduce",
       [&](int, OpContext& context) {
-        start_small_barrier(*channels[0]);
+        start_small_barrier(*channels[0], context.seq());
         channels[0]->wait(context.channel_wait());
       },
       std::chrono::milliseconds(300));

@@ -29,37 +29,17 @@ void check_same_op(const SmallOpChannel& channel) {
   }
 }
 
-char* begin_with(SmallOpChannel& channel, SmallOp op, uint32_t detail, uint64_t bytes,
-                 size_t contribution_bytes) {
+char* begin_with(SmallOpChannel& channel, uint64_t seq, SmallOp op, uint32_t detail,
+                 uint64_t bytes, size_t contribution_bytes) {
   return channel.begin(ChannelOpKind{static_cast<uint32_t>(op), detail, bytes},
-                       contribution_bytes);
+                       contribution_bytes, seq);
 }
 
 }  // namespace
 
-std::string describe_small_op(const ChannelOpKind& kind) {
-  std::string what;
-  switch (static_cast<SmallOp>(kind.op)) {
-    case SmallOp::kAllreduce:
-      what = std::string("all_reduce (") + data_type_name(static_cast<DataType>(kind.detail & 0xff)) +
-             " " + reduce_kind_name(static_cast<ReduceKind>((kind.detail >> 8) & 0xff)) + ")";
-      break;
-    case SmallOp::kAllgather:
-      what = "all_gather";
-      break;
-    case SmallOp::kBroadcast:
-      what = "broadcast (root " + std::to_string(kind.detail) + ")";
-      break;
-    case SmallOp::kBarrier:
-      return "barrier";
-    default:
-      return "an unknown op (" + std::to_string(kind.op) + ")";
-  }
-  return what + " of " + std::to_string(kind.bytes) + " bytes";
-}
-
-void start_small_allreduce(SmallOpChannel& channel, ConstSpan data, const ReduceSpec& spec) {
-  char* slot = begin_with(channel, SmallOp::kAllreduce, encode_reduction(spec), data.bytes,
+void start_small_allreduce(SmallOpChannel& channel, uint64_t seq, ConstSpan data,
+                           const ReduceSpec& spec) {
+  char* slot = begin_with(channel, seq, SmallOp::kAllreduce, encode_reduction(spec), data.bytes,
                           data.bytes);
   if (spec.pre_scale != 1.0) {
     // PREMUL_SUM: each rank scales its own contribution once, on the way in.
@@ -83,8 +63,8 @@ void finish_small_allreduce(const SmallOpChannel& channel, MutableSpan data,
   if (spec.post_scale != 1.0) scale_in_place(data.data, count, spec.type, spec.post_scale);
 }
 
-void start_small_allgather(SmallOpChannel& channel, ConstSpan input) {
-  char* slot = begin_with(channel, SmallOp::kAllgather, 0, input.bytes, input.bytes);
+void start_small_allgather(SmallOpChannel& channel, uint64_t seq, ConstSpan input) {
+  char* slot = begin_with(channel, seq, SmallOp::kAllgather, 0, input.bytes, input.bytes);
   if (input.bytes > 0) std::memcpy(slot, input.data, input.bytes);
   channel.publish();
 }
@@ -96,9 +76,9 @@ void finish_small_allgather(const SmallOpChannel& channel, const std::vector<Mut
   }
 }
 
-void start_small_broadcast(SmallOpChannel& channel, ConstSpan data, int root) {
+void start_small_broadcast(SmallOpChannel& channel, uint64_t seq, ConstSpan data, int root) {
   const bool is_root = channel.rank() == root;
-  char* slot = begin_with(channel, SmallOp::kBroadcast, static_cast<uint32_t>(root), data.bytes,
+  char* slot = begin_with(channel, seq, SmallOp::kBroadcast, static_cast<uint32_t>(root), data.bytes,
                           is_root ? data.bytes : 0);
   if (is_root && data.bytes > 0) std::memcpy(slot, data.data, data.bytes);
   channel.publish();
@@ -111,8 +91,8 @@ void finish_small_broadcast(const SmallOpChannel& channel, MutableSpan data, int
   }
 }
 
-void start_small_barrier(SmallOpChannel& channel) {
-  begin_with(channel, SmallOp::kBarrier, 0, 0, 0);
+void start_small_barrier(SmallOpChannel& channel, uint64_t seq) {
+  begin_with(channel, seq, SmallOp::kBarrier, 0, 0, 0);
   channel.publish();
 }
 

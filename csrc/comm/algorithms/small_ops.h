@@ -3,7 +3,8 @@
 //
 // Each op is split in two so that its caller decides how to wait in
 // between (poll on the calling thread, or hand the wait to the engine):
-//   start  -- writes this rank's contribution and publishes it; never blocks;
+//   start  -- writes this rank's contribution and publishes it as the
+//             group's collective number `seq`; never blocks;
 //   finish -- once every rank has arrived: checks that all ranks called the
 //             same op with the same size (kMismatch naming the first rank
 //             that did not; the caller prefixes the op's name), then
@@ -20,27 +21,23 @@
 
 namespace fsdp_ext::comm {
 
-enum class SmallOp : uint32_t { kAllreduce = 1, kAllgather = 2, kBroadcast = 3, kBarrier = 4 };
-
 // Whether a collective of `bytes` per rank goes through the channel. Every
 // rank of a group answers alike for the same call (it depends on the size
 // alone, and the sizes must agree anyway).
 inline bool fits_small_op_channel(size_t bytes) { return bytes <= SmallOpChannel::kMaxBytes; }
 
-void start_small_allreduce(SmallOpChannel& channel, ConstSpan data, const ReduceSpec& spec);
+void start_small_allreduce(SmallOpChannel& channel, uint64_t seq, ConstSpan data,
+                           const ReduceSpec& spec);
 void finish_small_allreduce(const SmallOpChannel& channel, MutableSpan data,
                             const ReduceSpec& spec);
 
-void start_small_allgather(SmallOpChannel& channel, ConstSpan input);
+void start_small_allgather(SmallOpChannel& channel, uint64_t seq, ConstSpan input);
 void finish_small_allgather(const SmallOpChannel& channel, const std::vector<MutableSpan>& outputs);
 
-void start_small_broadcast(SmallOpChannel& channel, ConstSpan data, int root);
+void start_small_broadcast(SmallOpChannel& channel, uint64_t seq, ConstSpan data, int root);
 void finish_small_broadcast(const SmallOpChannel& channel, MutableSpan data, int root);
 
-void start_small_barrier(SmallOpChannel& channel);
+void start_small_barrier(SmallOpChannel& channel, uint64_t seq);
 void finish_small_barrier(const SmallOpChannel& channel);
-
-// "all_reduce (float32 sum) of 8 bytes": how mismatch errors name an op.
-std::string describe_small_op(const ChannelOpKind& kind);
 
 }  // namespace fsdp_ext::comm

@@ -1,4 +1,4 @@
-"""The small-op channel: collectives of at most 4 KiB per rank on one host
+"""The small-op channel: collectives of at most 64 KiB per rank on one host
 complete through shared-memory flags (csrc/comm/small_op_channel.h), on the
 caller's thread when the engine is idle, handed to the engine when a peer is
 late, or queued behind the engine's work. Each path is checked for results
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from reference import DTYPES, assert_equal, expected_reduction, make_input, ops_for, reduce_op
 
 CPU = torch.device("cpu")
-SLOT_BYTES = 4096  # SmallOpChannel::kMaxBytes
+SLOT_BYTES = 64 << 10  # SmallOpChannel::kMaxBytes
 
 
 def counters(group=None):
@@ -55,6 +55,23 @@ def check_all_reduce_every_dtype_and_op(ctx):
                 assert taken == (1 if fits else 0), (label, taken)
                 inputs = [make_input(r, numel, dtype, op_name) for r in range(n)]
                 assert_equal(tensor, expected_reduction(inputs, op_name, dtype, n), label)
+
+
+def check_reduce_scatter_every_dtype_and_op(ctx):
+    n = ctx.world_size
+    for dtype in DTYPES:
+        at_limit = SLOT_BYTES // torch.empty(0, dtype=dtype).element_size() // n
+        for block in (0, 1, 3, at_limit, at_limit + 1):
+            for op_name in ops_for(dtype):
+                label = f"reduce_scatter {dtype} block={block} {op_name}"
+                inputs = [make_input(r, n * block, dtype, op_name) for r in range(n)]
+                output = torch.empty(block, dtype=dtype)
+                before = counters()
+                dist.reduce_scatter_tensor(output, inputs[ctx.rank].clone(), op=reduce_op(op_name))
+                fits = n * block * inputs[0].element_size() <= SLOT_BYTES and n > 1
+                assert channel_ops(before, counters()) == (1 if fits else 0), label
+                expected = expected_reduction(inputs, op_name, dtype, n)
+                assert_equal(output, expected[ctx.rank * block:(ctx.rank + 1) * block], label)
 
 
 def check_results_are_the_same_bytes_everywhere(ctx):
@@ -205,7 +222,7 @@ def check_size_straddling_the_limit(ctx, op):
     not a wait for the 60 s timeout."""
     n, rank = ctx.world_size, ctx.rank
     group = dist.new_group(timeout=datetime.timedelta(seconds=60))
-    numel = 1000 if rank == 0 else 1100  # 4000 bytes, 4400 bytes
+    numel = 16000 if rank == 0 else 17000  # 64000 bytes (the channel), 68000 bytes (UCX)
     start = time.monotonic()
     with pytest.raises(dist.DistBackendError) as info:
         if op == "all_gather":
@@ -266,6 +283,10 @@ def check_no_leaks(ctx):
 
 def test_all_reduce_every_dtype_and_op(pool):
     pool.run(check_all_reduce_every_dtype_and_op)
+
+
+def test_reduce_scatter_every_dtype_and_op(pool):
+    pool.run(check_reduce_scatter_every_dtype_and_op)
 
 
 def test_results_are_the_same_bytes_everywhere(pool):

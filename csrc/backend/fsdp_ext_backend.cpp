@@ -355,6 +355,19 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::_reduce_scatter_base(
   const OpLabel l = label("reduce_scatter_tensor");
   check_scatter_from_tensor(l, output, input, "");
   const comm::ReduceSpec spec = reduce_spec(l, opts.reduceOp, output.scalar_type(), size_);
+  if (use_small_ops(input.nbytes(), "FSDP_EXT_REDUCE_SCATTER_ALGO")) {
+    at::Tensor in = input;
+    at::Tensor out = output;
+    return run_small(
+        l, c10d::OpType::_REDUCE_SCATTER_BASE, "fsdp_ext:reduce_scatter_tensor",
+        resolve_timeout(opts.timeout), {out}, {in},
+        [in, spec](comm::SmallOpChannel& channel, uint64_t seq) {
+          comm::start_small_reduce_scatter(channel, seq, const_span_of(in), spec);
+        },
+        [out, spec](const comm::SmallOpChannel& channel) {
+          comm::finish_small_reduce_scatter(channel, span_of(out), spec);
+        });
+  }
   BucketMembers bucket;
   bucket.reduce_scatter.push_back(
       {to_const_spans(split_evenly(input, size_)), span_of(output), spec});

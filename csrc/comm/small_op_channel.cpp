@@ -240,6 +240,11 @@ std::string describe_small_op(const ChannelOpKind& kind) {
     case SmallOp::kAllgather:
       what = "all_gather";
       break;
+    case SmallOp::kReduceScatter:
+      what = std::string("reduce_scatter (") +
+             data_type_name(static_cast<DataType>(kind.detail & 0xff)) + " " +
+             reduce_kind_name(static_cast<ReduceKind>((kind.detail >> 8) & 0xff)) + ")";
+      break;
     case SmallOp::kBroadcast:
       what = "broadcast (root " + std::to_string(kind.detail) + ")";
       break;

@@ -44,7 +44,13 @@
 namespace fsdp_ext::comm {
 
 // The collectives the channel carries (algorithms/small_ops.h runs them).
-enum class SmallOp : uint32_t { kAllreduce = 1, kAllgather = 2, kBroadcast = 3, kBarrier = 4 };
+enum class SmallOp : uint32_t {
+  kAllreduce = 1,
+  kAllgather = 2,
+  kBroadcast = 3,
+  kBarrier = 4,
+  kReduceScatter = 5,
+};
 
 // What an op is, written by every rank beside its data: ranks compare them
 // to catch a peer that called a different collective or another size.
@@ -82,7 +88,7 @@ struct ChannelWait {
 class SmallOpChannel {
  public:
   // Per rank and op: what fits in a slot.
-  static constexpr size_t kMaxBytes = 4096;
+  static constexpr size_t kMaxBytes = 64 << 10;
 
   // Creates this rank's region (zeroed; nothing published yet).
   SmallOpChannel(int rank, int size);

@@ -90,6 +90,7 @@ PYBIND11_MODULE(_C, m) {
           return algorithm_name(select_allgather(bytes, group_size, shared_memory));
         }
         if (op == "reduce_scatter_tensor") {
+          if (channel(bytes, "FSDP_EXT_REDUCE_SCATTER_ALGO")) return "channel";
           return algorithm_name(select_reduce_scatter(bytes, group_size, shared_memory));
         }
         if (op == "all_reduce") {

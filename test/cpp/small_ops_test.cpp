@@ -79,7 +79,7 @@ class SmallOps : public ::testing::TestWithParam<int> {};
 TEST_P(SmallOps, ThousandsOfMixedOpsGiveExactResults) {
   const int n = GetParam();
   auto channels = connected_channels(n);
-  const std::vector<size_t> counts = {0, 1, 3, 1023, SmallOpChannel::kMaxBytes / 4};
+  const std::vector<size_t> counts = {0, 1, 3, 1023, 8191, SmallOpChannel::kMaxBytes / 4};
   const auto errors = on_every_rank(n, [&](int rank) {
     SmallOpChannel& channel = *channels[rank];
     const ReduceSpec sum{DataType::kInt32, ReduceKind::kSum};
@@ -88,7 +88,7 @@ TEST_P(SmallOps, ThousandsOfMixedOpsGiveExactResults) {
       std::vector<int32_t> data(count);
       for (size_t i = 0; i < count; ++i) data[i] = rank * 1000 + iteration + static_cast<int>(i);
       const size_t bytes = count * sizeof(int32_t);
-      switch (iteration % 4) {
+      switch (iteration % 5) {
         case 0: {
           start_small_allreduce(channel, iteration + 1, {data.data(), bytes}, sum);
           channel.wait(wait_for(30s));
@@ -120,6 +120,21 @@ TEST_P(SmallOps, ThousandsOfMixedOpsGiveExactResults) {
           finish_small_broadcast(channel, {data.data(), bytes}, root);
           for (size_t i = 0; i < count; ++i) {
             ASSERT_EQ(data[i], root * 1000 + iteration + static_cast<int>(i));
+          }
+          break;
+        }
+        case 3: {
+          // The input: the first n blocks of count / n elements.
+          const size_t block = count / n;
+          std::vector<int32_t> mine(block, -1);
+          start_small_reduce_scatter(channel, iteration + 1,
+                                     {data.data(), block * n * sizeof(int32_t)}, sum);
+          channel.wait(wait_for(30s));
+          finish_small_reduce_scatter(channel, {mine.data(), block * sizeof(int32_t)}, sum);
+          for (size_t i = 0; i < block; ++i) {
+            const int index = static_cast<int>(rank * block + i);
+            ASSERT_EQ(mine[i], 1000 * n * (n - 1) / 2 + n * (iteration + index))
+                << "reduce-scatter, iteration " << iteration << ", i " << i;
           }
           break;
         }
@@ -188,7 +203,7 @@ TEST(SmallOpsErrors, AContributionLargerThanASlotIsRefused) {
     start_small_allgather(channel, 1, {data.data(), data.size()});
     FAIL() << "no error";
   } catch (const CommError& error) {
-    EXPECT_NE(std::string(error.what()).find("4097 bytes exceeds the 4096-byte slot"),
+    EXPECT_NE(std::string(error.what()).find("65537 bytes exceeds the 65536-byte slot"),
               std::string::npos)
         << error.what();
   }

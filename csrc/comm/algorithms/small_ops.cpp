@@ -37,12 +37,11 @@ char* begin_with(SmallOpChannel& channel, uint64_t seq, SmallOp op, uint32_t det
 
 }  // namespace
 
-void start_small_allreduce(SmallOpChannel& channel, uint64_t seq, ConstSpan data,
-                           const ReduceSpec& spec) {
-  char* slot = begin_with(channel, seq, SmallOp::kAllreduce, encode_reduction(spec), data.bytes,
-                          data.bytes);
+// Copies `data` into the slot, scaled once on the way in for PREMUL_SUM.
+void contribute_for_reduction(SmallOpChannel& channel, uint64_t seq, SmallOp op,
+                              ConstSpan data, const ReduceSpec& spec) {
+  char* slot = begin_with(channel, seq, op, encode_reduction(spec), data.bytes, data.bytes);
   if (spec.pre_scale != 1.0) {
-    // PREMUL_SUM: each rank scales its own contribution once, on the way in.
     scale_copy(slot, data.data, data.bytes / element_size(spec.type), spec.type, spec.pre_scale);
   } else if (data.bytes > 0) {
     std::memcpy(slot, data.data, data.bytes);
@@ -50,17 +49,39 @@ void start_small_allreduce(SmallOpChannel& channel, uint64_t seq, ConstSpan data
   channel.publish();
 }
 
+// out = the bytes at `offset` of every rank's contribution, reduced in rank
+// order on every rank (the same rounding everywhere), then post-scaled.
+void reduce_contributions(const SmallOpChannel& channel, size_t offset, MutableSpan out,
+                          const ReduceSpec& spec) {
+  if (out.bytes == 0) return;
+  const size_t count = out.bytes / element_size(spec.type);
+  std::memcpy(out.data, channel.data_of(0) + offset, out.bytes);
+  for (int r = 1; r < channel.size(); ++r) {
+    reduce_into(out.data, channel.data_of(r) + offset, count, spec.type, spec.kind);
+  }
+  if (spec.post_scale != 1.0) scale_in_place(out.data, count, spec.type, spec.post_scale);
+}
+
+void start_small_allreduce(SmallOpChannel& channel, uint64_t seq, ConstSpan data,
+                           const ReduceSpec& spec) {
+  contribute_for_reduction(channel, seq, SmallOp::kAllreduce, data, spec);
+}
+
 void finish_small_allreduce(const SmallOpChannel& channel, MutableSpan data,
                             const ReduceSpec& spec) {
   check_same_op(channel);
-  if (data.bytes == 0) return;
-  const size_t count = data.bytes / element_size(spec.type);
-  // Rank order on every rank: the same rounding everywhere.
-  std::memcpy(data.data, channel.data_of(0), data.bytes);
-  for (int r = 1; r < channel.size(); ++r) {
-    reduce_into(data.data, channel.data_of(r), count, spec.type, spec.kind);
-  }
-  if (spec.post_scale != 1.0) scale_in_place(data.data, count, spec.type, spec.post_scale);
+  reduce_contributions(channel, 0, data, spec);
+}
+
+void start_small_reduce_scatter(SmallOpChannel& channel, uint64_t seq, ConstSpan input,
+                                const ReduceSpec& spec) {
+  contribute_for_reduction(channel, seq, SmallOp::kReduceScatter, input, spec);
+}
+
+void finish_small_reduce_scatter(const SmallOpChannel& channel, MutableSpan output,
+                                 const ReduceSpec& spec) {
+  check_same_op(channel);
+  reduce_contributions(channel, channel.rank() * output.bytes, output, spec);
 }
 
 void start_small_allgather(SmallOpChannel& channel, uint64_t seq, ConstSpan input) {

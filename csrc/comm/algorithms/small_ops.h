@@ -34,6 +34,13 @@ void finish_small_allreduce(const SmallOpChannel& channel, MutableSpan data,
 void start_small_allgather(SmallOpChannel& channel, uint64_t seq, ConstSpan input);
 void finish_small_allgather(const SmallOpChannel& channel, const std::vector<MutableSpan>& outputs);
 
+// Each rank contributes its whole input (`size` equal blocks) and reduces
+// its own block of everyone's, in rank order.
+void start_small_reduce_scatter(SmallOpChannel& channel, uint64_t seq, ConstSpan input,
+                                const ReduceSpec& spec);
+void finish_small_reduce_scatter(const SmallOpChannel& channel, MutableSpan output,
+                                 const ReduceSpec& spec);
+
 void start_small_broadcast(SmallOpChannel& channel, uint64_t seq, ConstSpan data, int root);
 void finish_small_broadcast(const SmallOpChannel& channel, MutableSpan data, int root);
 

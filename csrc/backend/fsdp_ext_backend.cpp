@@ -108,7 +108,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::enqueue(
   keep_alive.insert(keep_alive.end(), outputs.begin(), outputs.end());
   {
     std::lock_guard<std::mutex> lock(coalescing_mutex_);
-    if (coalescing_ && std::this_thread::get_id() == coalescing_thread_) {
+    if (coalescing_on_this_thread()) {
       coalesced_ops_.push_back(CoalescedOp{collective, std::move(body), work, std::move(bucket)});
       coalesced_tensors_.insert(coalesced_tensors_.end(), keep_alive.begin(),
                                 keep_alive.end());

@@ -193,6 +193,10 @@ class FsdpExtBackend : public c10d::Backend {
     std::shared_ptr<const BucketMembers> bucket;  // null: not fusible
   };
   static Body coalesced_body(std::shared_ptr<std::vector<CoalescedOp>> members);
+  // Whether ops from this thread join the open batch (coalescing_mutex_ held).
+  bool coalescing_on_this_thread() const {
+    return coalescing_ && std::this_thread::get_id() == coalescing_thread_;
+  }
   std::mutex coalescing_mutex_;
   bool coalescing_ = false;
   std::thread::id coalescing_thread_;

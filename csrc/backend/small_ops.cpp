@@ -13,7 +13,6 @@
 #include <c10/util/Exception.h>
 
 #include "backend/fsdp_ext_backend.hpp"
-#include "comm/algorithm_selection.h"
 #include "comm/algorithms/small_ops.h"
 
 namespace fsdp_ext::backend {
@@ -35,21 +34,22 @@ void wait_and_finish(comm::SmallOpChannel& channel,
 }  // namespace
 
 bool FsdpExtBackend::use_small_ops(size_t bytes, const char* algorithm_variable) {
-  if (!small_ops_enabled_ || !comm::fits_small_op_channel(bytes)) return false;
-  if (algorithm_variable != nullptr && !comm::small_op_channel_allowed(algorithm_variable)) {
+  if (!small_ops_enabled_ || !comm::takes_small_op_channel(bytes, algorithm_variable)) {
     return false;
   }
   // Inside a coalescing batch the op joins the batch's bucket instead (the
   // batch is the same on every rank, so every rank decides alike).
   std::lock_guard<std::mutex> lock(coalescing_mutex_);
-  return !(coalescing_ && std::this_thread::get_id() == coalescing_thread_);
+  return !coalescing_on_this_thread();
 }
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::run_small(
     const OpLabel& label, c10d::OpType type, const char* profiling_title,
     std::chrono::milliseconds timeout, std::vector<at::Tensor> outputs,
     std::vector<at::Tensor> keep_alive, SmallStart start, SmallFinish finish) {
-  std::shared_ptr<comm::SmallOpChannel> channel = small_ops_;
+  // The engine's bodies share the channel; the caller's own path uses it
+  // directly.
+  comm::SmallOpChannel& channel = *small_ops_;
   auto work = c10::make_intrusive<FsdpExtWork>(rank_, type, profiling_title, outputs);
   // What the engine runs: the whole op when it is busy, or the rest of it.
   auto engine_op = [&](std::function<void(comm::OpContext&)> body) {
@@ -67,18 +67,18 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::run_small(
   comm::ProgressEngine::Turn turn = engine_->try_take_turn();
   if (!turn) {
     small_queued_.fetch_add(1, std::memory_order_relaxed);
-    engine_->submit(engine_op([channel, start = std::move(start), finish = std::move(finish)](
-                                  comm::OpContext& context) {
+    engine_->submit(engine_op([channel = small_ops_, start = std::move(start),
+                               finish = std::move(finish)](comm::OpContext& context) {
       start(*channel, context.seq());
       wait_and_finish(*channel, finish, context);
     }));
     return work;
   }
   try {
-    start(*channel, turn.seq());
+    start(channel, turn.seq());
     const auto spin = engine_->config().spin;
-    if (channel->poll_until(std::chrono::steady_clock::now() + spin)) {
-      finish(*channel);
+    if (channel.poll_until(std::chrono::steady_clock::now() + spin)) {
+      finish(channel);
       turn.end();
       small_on_caller_.fetch_add(1, std::memory_order_relaxed);
       work->complete(comm::OpOutcome{});
@@ -94,9 +94,10 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::run_small(
     return work;
   }
   small_handed_over_.fetch_add(1, std::memory_order_relaxed);
-  turn.hand_over(engine_op([channel, finish = std::move(finish)](comm::OpContext& context) {
-    wait_and_finish(*channel, finish, context);
-  }));
+  turn.hand_over(
+      engine_op([channel = small_ops_, finish = std::move(finish)](comm::OpContext& context) {
+        wait_and_finish(*channel, finish, context);
+      }));
   return work;
 }
 

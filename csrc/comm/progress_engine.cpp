@@ -78,7 +78,7 @@ void ProgressEngine::submit(EngineOp op) {
     OpOutcome outcome;
     outcome.ok = false;
     outcome.kind = ErrorKind::kAborted;
-    outcome.message = describe(op, 0) + ": the process group was already shut down";
+    outcome.message = describe_op(op.name, 0) + ": the process group was already shut down";
     finish(op, outcome);
     return;
   }
@@ -196,10 +196,6 @@ std::string ProgressEngine::describe_peer(int rank) const {
   return text + ")";
 }
 
-std::string ProgressEngine::describe(const EngineOp& op, uint64_t seq) const {
-  return describe_op(op.name, seq);
-}
-
 std::string ProgressEngine::explain_timeout() const {
   return config_.explain_timeout ? config_.explain_timeout(activity()) : std::string();
 }
@@ -301,7 +297,7 @@ void ProgressEngine::thread_main() {
 void ProgressEngine::run_op(EngineOp& op) {
   ops_run_.fetch_add(1, std::memory_order_relaxed);
   const uint64_t seq = op.continues_seq != 0 ? op.continues_seq : op.collective ? next_seq_++ : 0;
-  const std::string description = describe(op, seq);
+  const std::string description = describe_op(op.name, seq);
   OpOutcome failure;
   failure.ok = false;
   if (aborting_) {

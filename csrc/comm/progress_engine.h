@@ -251,7 +251,6 @@ class ProgressEngine {
   // describing the first loss ("" while every peer is alive).
   const std::string& check_peers();
   Clock::time_point nearest_deadline() const;
-  std::string describe(const EngineOp& op, uint64_t seq) const;
 
   EngineConfig config_;
   std::unique_ptr<Transport> transport_;

@@ -126,13 +126,15 @@ void SmallOpChannel::publish() {
   }
 }
 
+bool SmallOpChannel::has_arrived(int peer) const {
+  // Acquire: the peer's slot, written before it published, is visible now.
+  return reached(word_at(regions_[peer], kArrivedOffset).load(std::memory_order_acquire),
+                 op_number_);
+}
+
 bool SmallOpChannel::all_arrived() const {
   for (int peer = 0; peer < size_; ++peer) {
-    if (peer == rank_) continue;
-    if (!reached(word_at(regions_[peer], kArrivedOffset).load(std::memory_order_acquire),
-                 op_number_)) {
-      return false;
-    }
+    if (peer != rank_ && !has_arrived(peer)) return false;
   }
   return true;
 }
@@ -140,11 +142,7 @@ bool SmallOpChannel::all_arrived() const {
 std::vector<int> SmallOpChannel::missing() const {
   std::vector<int> out;
   for (int peer = 0; peer < size_; ++peer) {
-    if (peer == rank_) continue;
-    if (!reached(word_at(regions_[peer], kArrivedOffset).load(std::memory_order_acquire),
-                 op_number_)) {
-      out.push_back(peer);
-    }
+    if (peer != rank_ && !has_arrived(peer)) out.push_back(peer);
   }
   return out;
 }

@@ -149,6 +149,8 @@ class SmallOpChannel {
 
  private:
   char* slot(int rank, uint32_t op_number) const;
+  // Whether `peer` has published the current op.
+  bool has_arrived(int peer) const;
 
   int rank_;
   int size_;

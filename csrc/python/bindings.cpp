@@ -82,8 +82,7 @@ PYBIND11_MODULE(_C, m) {
         // What each rank contributes to the small-op channel, for the ops
         // that may take it (the backend decides the same way: small_ops.cpp).
         auto channel = [&](size_t per_rank, const char* variable) {
-          return small_op_channel && group_size > 1 && fits_small_op_channel(per_rank) &&
-                 small_op_channel_allowed(variable);
+          return small_op_channel && group_size > 1 && takes_small_op_channel(per_rank, variable);
         };
         if (op == "all_gather_into_tensor") {
           if (channel(bytes / group_size, "FSDP_EXT_ALLGATHER_ALGO")) return "channel";

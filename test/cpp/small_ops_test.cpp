@@ -207,8 +207,12 @@ TEST(SmallOpsErrors, AContributionLargerThanASlotIsRefused) {
               std::string::npos)
         << error.what();
   }
-  EXPECT_TRUE(fits_small_op_channel(SmallOpChannel::kMaxBytes));
-  EXPECT_FALSE(fits_small_op_channel(SmallOpChannel::kMaxBytes + 1));
+  EXPECT_TRUE(takes_small_op_channel(SmallOpChannel::kMaxBytes, nullptr));
+  EXPECT_FALSE(takes_small_op_channel(SmallOpChannel::kMaxBytes + 1, nullptr));
+  // A forced algorithm keeps even the smallest op off the channel.
+  testing::ScopedVariable forced("FSDP_EXT_ALLREDUCE_ALGO", "direct");
+  EXPECT_FALSE(takes_small_op_channel(8, "FSDP_EXT_ALLREDUCE_ALGO"));
+  EXPECT_TRUE(takes_small_op_channel(8, "FSDP_EXT_ALLGATHER_ALGO"));
 }
 
 TEST(SmallOpsWaiting, AnAbsentPeerTimesOutNamingIt) {

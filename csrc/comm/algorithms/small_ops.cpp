@@ -3,6 +3,7 @@
 
 #include <cstring>
 
+#include "comm/algorithm_selection.h"
 #include "comm/error.h"
 #include "comm/reduce_kernels.h"
 
@@ -35,8 +36,6 @@ char* begin_with(SmallOpChannel& channel, uint64_t seq, SmallOp op, uint32_t det
                        contribution_bytes, seq);
 }
 
-}  // namespace
-
 // Copies `data` into the slot, scaled once on the way in for PREMUL_SUM.
 void contribute_for_reduction(SmallOpChannel& channel, uint64_t seq, SmallOp op,
                               ConstSpan data, const ReduceSpec& spec) {
@@ -60,6 +59,13 @@ void reduce_contributions(const SmallOpChannel& channel, size_t offset, MutableS
     reduce_into(out.data, channel.data_of(r) + offset, count, spec.type, spec.kind);
   }
   if (spec.post_scale != 1.0) scale_in_place(out.data, count, spec.type, spec.post_scale);
+}
+
+}  // namespace
+
+bool takes_small_op_channel(size_t bytes, const char* algorithm_variable) {
+  return bytes <= SmallOpChannel::kMaxBytes &&
+         (algorithm_variable == nullptr || small_op_channel_allowed(algorithm_variable));
 }
 
 void start_small_allreduce(SmallOpChannel& channel, uint64_t seq, ConstSpan data,

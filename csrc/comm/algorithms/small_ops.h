@@ -21,10 +21,12 @@
 
 namespace fsdp_ext::comm {
 
-// Whether a collective of `bytes` per rank goes through the channel. Every
-// rank of a group answers alike for the same call (it depends on the size
-// alone, and the sizes must agree anyway).
-inline bool fits_small_op_channel(size_t bytes) { return bytes <= SmallOpChannel::kMaxBytes; }
+// Whether a collective of `bytes` per rank goes through the channel (on a
+// group that has it, outside a coalescing batch): it fits a slot and
+// `algorithm_variable` (the op's FSDP_EXT_*_ALGO, or null for an op without
+// one) forces no algorithm. Every rank of a group answers alike for the same
+// call: the sizes must agree anyway, and so must the variables.
+bool takes_small_op_channel(size_t bytes, const char* algorithm_variable);
 
 void start_small_allreduce(SmallOpChannel& channel, uint64_t seq, ConstSpan data,
                            const ReduceSpec& spec);

@@ -8,8 +8,19 @@ import os
 import tempfile
 
 
-def init_rank(rank, world, init_file):
-    """Sets up one rank; returns the gloo group (fsdp_ext is the default group)."""
+def pin_to_core(rank):
+    """Binds this process to one core, rank modulo the cores it may use: the
+    threads it starts later (fsdp_ext's progress thread, gloo's workers)
+    inherit the binding, so a rank's threads share its core."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
+def init_rank(rank, world, init_file, pin=False):
+    """Sets up one rank; returns the gloo group (fsdp_ext is the default group).
+    `pin`: bind the rank to one core first (pin_to_core)."""
+    if pin:
+        pin_to_core(rank)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("UCX_TLS", "self,sm,tcp")
     os.environ.setdefault("UCX_LOG_LEVEL", "error")

@@ -61,10 +61,11 @@ def human(nbytes):
     return f"{nbytes} B"
 
 
-def sizes_up_to(max_bytes):
+def sizes_between(min_bytes, max_bytes):
     sizes, size = [], 4
     while size <= max_bytes:
-        sizes.append(size)
+        if size >= min_bytes:
+            sizes.append(size)
         size *= 4
     return sizes
 
@@ -135,8 +136,8 @@ def _make_runner(op, nbytes, world, rank, group, allocate):
     return coalesced, per_member * members
 
 
-def _worker(rank, world, init_file, queue, ops, sizes, repeats):
-    gloo = init_rank(rank, world, init_file)
+def _worker(rank, world, init_file, queue, ops, sizes, repeats, pin):
+    gloo = init_rank(rank, world, init_file, pin)
     import torch.distributed as dist
 
     results = _measure(rank, world, gloo, ops, sizes, repeats)
@@ -385,17 +386,21 @@ def plot(rows, memcpy, path, where="on one host (2 cores)", limits=None):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--min-bytes", type=parse_size, default=4)
     parser.add_argument("--max-bytes", type=parse_size, default=64 << 20)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ops", nargs="+", default=OPS, choices=OPS)
     parser.add_argument("--output", default=None)
+    parser.add_argument("--pin-ranks", action="store_true",
+                        help="bind each rank (and the threads it starts) to one core, rank "
+                             "modulo the cores available, for every contender alike")
     parser.add_argument("--hosts", type=int, choices=[1, 2], default=1)
     parser.add_argument("--ranks-per-host", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--netem-rate-mbit", type=int, default=None)
     parser.add_argument("--netem-delay-ms", type=float, default=None)
     parser.add_argument("--torchrun-worker", metavar="RESULT_FILE", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    sizes = sizes_up_to(args.max_bytes)
+    sizes = sizes_between(args.min_bytes, args.max_bytes)
     if args.torchrun_worker:
         return _torchrun_worker(args.ops, sizes, args.repeats, args.torchrun_worker)
     results_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -414,7 +419,7 @@ def main():
             results = run_on_two_hosts(per_host, args.ops, sizes, args.repeats, netem)
             rows.extend(summarize(entry, memcpy) for entry in results)
     for world in (args.world_sizes if args.hosts == 1 else []):
-        results = run_ranks(world, _worker, args.ops, sizes, args.repeats)
+        results = run_ranks(world, _worker, args.ops, sizes, args.repeats, args.pin_ranks)
         rows.extend(summarize(entry, memcpy, limits) for entry in results)
     print_table(rows)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)

@@ -34,12 +34,12 @@ def _model(dim, layers):
     return nn.Sequential(*blocks)
 
 
-def _worker(rank, world, init_file, queue, steps, dim, layers, batch):
+def _worker(rank, world, init_file, queue, steps, dim, layers, batch, pin):
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    gloo = init_rank(rank, world, init_file)
+    gloo = init_rank(rank, world, init_file, pin)
     contenders = {
         "local": _model(dim, layers),
         "fsdp_ext": DDP(_model(dim, layers)),
@@ -80,6 +80,8 @@ def main():
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--output", default=None)
+    parser.add_argument("--pin-ranks", action="store_true",
+                        help="bind each rank (and its threads) to one core, every contender alike")
     args = parser.parse_args()
     if args.steps <= WARMUP:
         parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
@@ -88,7 +90,8 @@ def main():
           f"{'fsdp_ext over local':>21}{'gloo over local':>17}{'gloo / fsdp_ext':>17}"
           f"{'max |loss diff|':>17}")
     for world in args.world_sizes:
-        r = run_ranks(world, _worker, args.steps, args.dim, args.layers, args.batch)
+        r = run_ranks(world, _worker, args.steps, args.dim, args.layers, args.batch,
+                      args.pin_ranks)
         med = r["median_s"]
         diff = max(abs(a - b) for a, b in zip(r["losses"]["fsdp_ext"], r["losses"]["gloo"]))
         r["max_loss_difference"] = diff

@@ -137,7 +137,7 @@ def _quiet_upstream_view_warning():
 
 
 def _timing_worker(rank, world, init_file, queue, args):
-    gloo = init_rank(rank, world, init_file)
+    gloo = init_rank(rank, world, init_file, args.pin_ranks)
     _quiet_upstream_view_warning()
     import torch
     import torch.distributed as dist
@@ -219,8 +219,8 @@ def _rss_kib(field):
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _memory_worker(rank, world, init_file, queue, model_name, contender, config):
-    gloo = init_rank(rank, world, init_file)
+def _memory_worker(rank, world, init_file, queue, model_name, contender, config, pin):
+    gloo = init_rank(rank, world, init_file, pin)
     _quiet_upstream_view_warning()
     import torch.distributed as dist
 
@@ -284,6 +284,8 @@ def main():
     parser.add_argument("--order", choices=["alternate", "blocked"], default="alternate",
                         help="alternate: one step per contender in turn (default; noise hits all "
                         "alike); blocked: all steps of a contender, then the next")
+    parser.add_argument("--pin-ranks", action="store_true",
+                        help="bind each rank (and its threads) to one core, every contender alike")
     parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results",
                                                            "fsdp_step.json"))
     args = parser.parse_args()
@@ -305,7 +307,7 @@ def main():
         if not args.no_memory:
             for name in ["local"] + CONTENDERS:
                 memory[name] = run_ranks(args.world_size, _memory_worker, result["model"], name,
-                                         result["config"])
+                                         result["config"], args.pin_ranks)
         result["peak_step_memory_mib"] = memory
     print(markdown_tables({"args": vars(args), "results": results}))
     os.makedirs(os.path.dirname(args.output), exist_ok=True)

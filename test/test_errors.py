@@ -228,9 +228,14 @@ def _sysv_segments_created_by(pids):
     return [row[0] for row in rows if len(row) >= 4 and row[0].isdigit() and row[2] in wanted]
 
 
-def _launch_two_ranks(script, tmp_path, init_method, destroy, extra_env=None):
+def _launch_two_ranks(script, tmp_path, init_method, destroy, extra_env=None, bind=False):
     """Runs the two-rank script to completion; (processes, [(returncode,
-    stdout, stderr)] per rank)."""
+    stdout, stderr)] per rank). `bind`: each rank bound to one core."""
+    cores = sorted(os.sched_getaffinity(0))
+
+    def bound_to_core(r):
+        return (lambda: os.sched_setaffinity(0, {cores[r % len(cores)]})) if bind else None
+
     import socket
 
     with socket.socket() as s:
@@ -242,7 +247,7 @@ def _launch_two_ranks(script, tmp_path, init_method, destroy, extra_env=None):
     procs = [
         subprocess.Popen([sys.executable, str(script), str(r), "2", init, "1" if destroy else "0"],
                          env=dict(env, RANK=str(r), WORLD_SIZE="2"), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=bound_to_core(r))
         for r in range(2)
     ]
     results = []
@@ -309,17 +314,19 @@ def test_bad_tuning_variable_is_a_clear_error(pool2, variable, value, expected):
         assert f"rank {rank}/2" in message and "init" in message, message
 
 
-@pytest.mark.parametrize("shared_memory", ["1", "0"])
-def test_group_creation_logs_one_line(tmp_path, shared_memory):
+@pytest.mark.parametrize("shared_memory,bind", [("1", False), ("0", False), ("1", True)],
+                         ids=["shared-memory", "no-shared-memory", "bound-to-a-core"])
+def test_group_creation_logs_one_line(tmp_path, shared_memory, bind):
     """With TORCH_CPP_LOG_LEVEL=INFO every rank logs, per group, its rank,
     the hosts, whether shared memory and process reads are on, with the
-    reason when off, and the transports UCX chose."""
+    reason when off, the cores it may run on (and, sharing them unbound,
+    that binding helps) and the transports UCX chose."""
     script = tmp_path / "run.py"
     script.write_text(CLEAN_EXIT_SCRIPT)
     for attempt in range(3):
         _, results = _launch_two_ranks(
             script, tmp_path, "env", True,
-            {"TORCH_CPP_LOG_LEVEL": "INFO", "FSDP_EXT_SHARED_MEMORY": shared_memory})
+            {"TORCH_CPP_LOG_LEVEL": "INFO", "FSDP_EXT_SHARED_MEMORY": shared_memory}, bind)
         if not any("address already in use" in err.lower() for _, _, err in results):
             break
     for rank, (returncode, _, err) in enumerate(results):
@@ -331,6 +338,13 @@ def test_group_creation_logs_one_line(tmp_path, shared_memory):
                     if shared_memory == "1" else
                     f"rank {rank}/2, 1 host, shared memory off (FSDP_EXT_SHARED_MEMORY=0), "
                     "process reads off (no shared memory), small-op channel off (no shared memory)")
+        # Where the rank may run (inherited from this process): with fewer
+        # than two cores per rank and no binding, the line says to bind.
+        cores = 1 if bind else len(os.sched_getaffinity(0))
+        expected += f", may run on {cores} core{'s' if cores > 1 else ''}"
+        if 1 < cores < 4:
+            expected += (" shared with 1 other rank (bind each rank to its own cores for "
+                         "steady collective times)")
         assert expected + ", UCX transports: " in lines[0], lines[0]
         # What UCX chose to reach the peer on this host, e.g. "sysv/memory
         # cma/memory (this host)" (the tests allow UCX_TLS=self,sm,tcp).

@@ -5,6 +5,7 @@
 
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,6 +22,27 @@
 
 namespace fsdp_ext::backend {
 namespace {
+
+// How many cores this rank may run on, for the group's log line; the
+// progress thread inherits it from the thread creating the group. When the
+// rank is not bound to its own cores and the ranks of this host have fewer
+// than two cores each, a rank's caller and progress thread may be scheduled
+// on different cores, and two ranks' progress threads on the same one: the
+// 1 MiB collectives of an unbound run on 2 cores swing between two speeds, up
+// to 2x apart, by placement alone (docs/benchmarks.md). The line says so.
+std::string describe_cores(size_t ranks_on_host) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return "";
+  const size_t cores = static_cast<size_t>(CPU_COUNT(&allowed));
+  std::string text = ", may run on " + std::to_string(cores) + (cores == 1 ? " core" : " cores");
+  if (cores > 1 && ranks_on_host * 2 > cores) {
+    const size_t others = ranks_on_host - 1;
+    text += " shared with " + std::to_string(others) + (others == 1 ? " other rank" : " other ranks") +
+            " (bind each rank to its own cores for steady collective times)";
+  }
+  return text;
+}
 
 // Whether this rank can read every peer's ordinary memory with
 // process_vm_readv (needs ptrace permission: same uid, no Yama restriction).
@@ -165,7 +187,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   TORCH_CHECK_VALUE(size >= 1 && size < comm::tag::kMaxRanks, init_label.prefix(),
                     "group size ", size, " is out of range");
   const BackendEnvironment environment = read_environment(init_label.prefix());
-  std::string no_shared_memory, no_process_reads, no_small_ops, unwatched_peers, layout;
+  std::string no_shared_memory, no_process_reads, no_small_ops, unwatched_peers, layout, cores;
   size_t hosts = 0;
   // [0]: every peer's shared memory maps; [1]: process_vm_readv works too;
   // [2]: the small-op channel is connected.
@@ -205,6 +227,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
       no_process_reads = "no shared memory";
     }
     hosts = topology.hosts.size();
+    cores = describe_cores(topology.hosts[topology.host].size());
     no_small_ops =
         why_no_small_ops(small_ops_.get(), peers, hosts, no_shared_memory, environment);
     (*shared_ok)[0] = no_shared_memory.empty() ? 1 : 0;
@@ -279,7 +302,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
             << state((*shared_ok)[0] == 1, no_shared_memory) << ", process reads "
             << state((*shared_ok)[1] == 1, no_process_reads) << ", small-op channel "
             << state(small_ops_enabled_, no_small_ops) << ((*shared_ok)[0] == 1 ? layout : "")
-            << ", " << *transports
+            << cores << ", " << *transports
             << (unwatched_peers.empty() ? ""
                                         : ", not watched for loss (unreachable):" + unwatched_peers);
   std::lock_guard<std::mutex> lock(registry_mutex());

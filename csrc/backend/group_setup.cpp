@@ -29,7 +29,7 @@ namespace {
 // than two cores each, a rank's caller and progress thread may be scheduled
 // on different cores, and two ranks' progress threads on the same one: the
 // 1 MiB collectives of an unbound run on 2 cores swing between two speeds, up
-// to 2x apart, by placement alone (docs/benchmarks.md). The line says so.
+// to 2x apart, by placement alone (docs/design.md). The line says so.
 std::string describe_cores(size_t ranks_on_host) {
   cpu_set_t allowed;
   CPU_ZERO(&allowed);

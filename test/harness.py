@@ -106,7 +106,16 @@ class WorkerPool:
             conn.send((fn, args))
         results, failures = [], []
         for rank in range(self.world_size):
-            status, value = self._receive(rank, timeout, fn.__name__)
+            try:
+                status, value = self._receive(rank, timeout, fn.__name__)
+            except TimeoutError as timed_out:
+                # A rank that failed first often leaves its peers waiting for
+                # it: its traceback is the cause, so it must not be lost.
+                if not failures:
+                    raise
+                raise TimeoutError(
+                    f"{timed_out}; before that, {fn.__name__} failed on:\n" + "\n".join(failures)
+                ) from None
             if status == "error":
                 failures.append(f"--- rank {rank} ---\n{value}")
             results.append(value)

@@ -16,8 +16,12 @@ PeerActivityBoard::PeerActivityBoard(c10::intrusive_ptr<c10d::Store> store, int 
     : store_(std::move(store)), rank_(rank), size_(size),
       read_activity_(std::move(read_activity)) {
   // Posted once before any op, so every key exists when a peer reads it.
-  store_->set(key(rank_), bytes_of(format(read_activity_())));
-  poster_ = std::thread([this] { post_loop(); });
+  std::string first_post = format(read_activity_());
+  store_->set(key(rank_), bytes_of(first_post));
+  // The poster compares against what the store holds, not against what it
+  // reads when it starts: an op may complete before the thread first runs
+  // (a loaded host), and that change must still be posted.
+  poster_ = std::thread([this, first_post] { post_loop(first_post); });
 }
 
 PeerActivityBoard::~PeerActivityBoard() { stop(); }
@@ -45,8 +49,7 @@ std::string PeerActivityBoard::format(const comm::EngineActivity& activity) {
          std::to_string(activity.seq) + ")";
 }
 
-void PeerActivityBoard::post_loop() {
-  std::string posted = format(read_activity_());
+void PeerActivityBoard::post_loop(std::string posted) {
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_requested_.wait_for(lock, kPostInterval, [this] { return stopping_; })) {
     const std::string now = format(read_activity_());

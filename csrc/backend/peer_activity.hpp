@@ -40,7 +40,8 @@ class PeerActivityBoard {
   void stop();
 
  private:
-  void post_loop();
+  // `posted`: the text the store holds for this rank when the loop starts.
+  void post_loop(std::string posted);
   std::string key(int rank) const;
 
   c10::intrusive_ptr<c10d::Store> store_;

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import get_pool
 from reference import (
     DTYPES,
     SIZES,
@@ -354,6 +355,31 @@ def check_barrier_orders_ops(ctx):
 )
 def test_collective(pool, check):
     pool.run(check)
+
+
+def check_average_is_sum_then_divide(ctx):
+    """AVG is SUM followed by torch's div_ by the group size, bit for bit (a
+    multiply by the reciprocal rounds differently in a group of 3), so an FSDP
+    runtime that sums then divides and one that asks for AVG agree exactly."""
+    n = ctx.world_size
+    for algorithm in forced_algorithms():
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            for numel in (1, 3, 8191, 100003):
+                g = torch.Generator().manual_seed(1000 * ctx.rank + numel)
+                data = torch.randn(n * numel, generator=g).to(dtype)
+                label = f"{algorithm} {dtype} n={numel}"
+                summed, averaged = data.clone(), data.clone()
+                dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+                dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
+                assert torch.equal(averaged, summed.div_(n)), f"all_reduce {label}"
+                summed, averaged = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+                dist.reduce_scatter_tensor(summed, data, op=dist.ReduceOp.SUM)
+                dist.reduce_scatter_tensor(averaged, data, op=dist.ReduceOp.AVG)
+                assert torch.equal(averaged, summed.div_(n)), f"reduce_scatter_tensor {label}"
+
+
+def test_average_is_sum_then_divide_ws3():
+    get_pool(3).run(check_average_is_sum_then_divide)
 
 
 def test_algorithm_selection_by_size_and_override(monkeypatch):

@@ -237,6 +237,14 @@ def test_mixed_precision_matches_upstream_ws4(backend):
     _run(4, backend, (4,), "lm", "bf16_reduce_fp32")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block_policy", ["none", "bf16"])
+def test_group_of_three_matches_upstream(backend, block_policy):
+    """Gradients averaged over 3 ranks (1/3 is inexact) round as upstream's:
+    the division after our SUM and upstream's ReduceOp.AVG agree bit for bit."""
+    _run(3, backend, (3,), "lm", block_policy)
+
+
 @pytest.mark.parametrize("block_policy", ["bf16_no_input_cast", "bf16_output_fp32"])
 def test_input_and_output_casts_ws2(block_policy):
     """cast_forward_inputs=False hands blocks fp32 inputs; output_dtype=fp32

@@ -57,7 +57,7 @@ comm::ReduceSpec reduce_spec(const OpLabel& label, const c10d::ReduceOp& op,
       TORCH_CHECK_TYPE(floating, label.prefix(), "ReduceOp.AVG needs a floating-point "
                        "dtype, got ", dtype_name(type), " (integer averages would truncate)");
       spec.kind = comm::ReduceKind::kSum;
-      spec.post_scale = 1.0 / group_size;
+      spec.post_divisor = group_size;
       break;
     case c10d::ReduceOp::PREMUL_SUM: {
       TORCH_CHECK_TYPE(floating, label.prefix(), "PREMUL_SUM needs a floating-point "

@@ -124,6 +124,18 @@ void scale_native(T* out, const T* in, size_t n, double factor) {
   for (size_t i = 0; i < n; ++i) out[i] = in[i] * f;
 }
 
+template <typename T>
+void divide_native(T* data, size_t n, double divisor) {
+  const T d = static_cast<T>(divisor);
+  for (size_t i = 0; i < n; ++i) data[i] = data[i] / d;
+}
+
+template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
+void divide_half(uint16_t* data, size_t n, double divisor) {
+  const float d = static_cast<float>(divisor);
+  for (size_t i = 0; i < n; ++i) data[i] = FromFloat(ToFloat(data[i]) / d);
+}
+
 template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
 void scale_half(uint16_t* out, const uint16_t* in, size_t n, double factor) {
   const float f = static_cast<float>(factor);
@@ -186,6 +198,23 @@ void scale_copy(void* out, const void* in, size_t count, DataType type,
           factor);
     default:
       return;  // integer scaling is rejected by the caller
+  }
+}
+
+void divide_in_place(void* data, size_t count, DataType type, double divisor) {
+  switch (type) {
+    case DataType::kFloat32:
+      return divide_native(static_cast<float*>(data), count, divisor);
+    case DataType::kFloat64:
+      return divide_native(static_cast<double*>(data), count, divisor);
+    case DataType::kFloat16:
+      return divide_half<half_to_float, float_to_half>(static_cast<uint16_t*>(data), count,
+                                                       divisor);
+    case DataType::kBFloat16:
+      return divide_half<bfloat16_to_float, float_to_bfloat16>(static_cast<uint16_t*>(data),
+                                                               count, divisor);
+    default:
+      return;  // integer averages are rejected by the caller
   }
 }
 

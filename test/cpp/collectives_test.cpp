@@ -193,7 +193,7 @@ TEST_P(ForcedAlgorithm, ReduceScatterSum) {
 }
 
 TEST_P(ForcedAlgorithm, ReduceScatterAverageInt64Uneven) {
-  // Rank d's block holds 3 + d elements; AVG is a sum scaled by 1/n after.
+  // Rank d's block holds 3 + d elements; AVG is a sum divided by n after.
   LoopbackGroup& group = *group_;
   const int n = group.size();
   std::vector<std::vector<std::vector<double>>> inputs(n, std::vector<std::vector<double>>(n));
@@ -210,7 +210,7 @@ TEST_P(ForcedAlgorithm, ReduceScatterAverageInt64Uneven) {
       blocks.push_back(ConstSpan{inputs[r][d].data(), inputs[r][d].size() * sizeof(double)});
     }
     ReduceSpec spec{DataType::kFloat64, ReduceKind::kSum};
-    spec.post_scale = 1.0 / n;
+    spec.post_divisor = n;
     reduce_scatter(context, blocks,
                    MutableSpan{outputs[r].data(), outputs[r].size() * sizeof(double)}, spec);
   });
@@ -218,7 +218,7 @@ TEST_P(ForcedAlgorithm, ReduceScatterAverageInt64Uneven) {
     for (int i = 0; i < 3 + d; ++i) {
       double sum = 0;
       for (int r = 0; r < n; ++r) sum += value(r, d * 10 + i);
-      EXPECT_DOUBLE_EQ(outputs[d][i], sum * (1.0 / n)) << "rank " << d << ", element " << i;
+      EXPECT_EQ(outputs[d][i], sum / n) << "rank " << d << ", element " << i;
     }
   }
 }

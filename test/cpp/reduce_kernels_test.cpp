@@ -179,5 +179,40 @@ TEST(ReduceKernels, ScaleInPlaceAndCopy) {
   }
 }
 
+// AVG divides by the group size as torch's div_ does, not by multiplying
+// with the reciprocal: for a group of 3 the two round differently, and a
+// multiply would make AVG differ in the last bit from SUM followed by div_.
+TEST(ReduceKernels, DivideInPlaceIsATrueDivision) {
+  constexpr size_t kCount = 8191;
+  std::vector<float> f32(kCount);
+  std::vector<double> f64(kCount);
+  std::vector<uint16_t> f16(kCount), bf16(kCount);
+  for (size_t i = 0; i < kCount; ++i) {
+    f32[i] = 0.1f * static_cast<float>(i) - 7.3f;
+    f64[i] = 0.1 * static_cast<double>(i) - 7.3;
+    f16[i] = float_to_half(f32[i]);
+    bf16[i] = float_to_bfloat16(f32[i]);
+  }
+  const std::vector<float> f32_in = f32;
+  const std::vector<double> f64_in = f64;
+  const std::vector<uint16_t> f16_in = f16, bf16_in = bf16;
+  divide_in_place(f32.data(), kCount, DataType::kFloat32, 3.0);
+  divide_in_place(f64.data(), kCount, DataType::kFloat64, 3.0);
+  divide_in_place(f16.data(), kCount, DataType::kFloat16, 3.0);
+  divide_in_place(bf16.data(), kCount, DataType::kBFloat16, 3.0);
+  size_t reciprocal_differs = 0;
+  for (size_t i = 0; i < kCount; ++i) {
+    ASSERT_EQ(f32[i], f32_in[i] / 3.0f) << "float32 element " << i;
+    ASSERT_EQ(f64[i], f64_in[i] / 3.0) << "float64 element " << i;
+    ASSERT_EQ(f16[i], float_to_half(half_to_float(f16_in[i]) / 3.0f)) << "float16 element " << i;
+    ASSERT_EQ(bf16[i], float_to_bfloat16(bfloat16_to_float(bf16_in[i]) / 3.0f))
+        << "bfloat16 element " << i;
+    if (f32_in[i] * (1.0f / 3.0f) != f32[i]) ++reciprocal_differs;
+  }
+  // The inputs include values where a multiply by 1/3 rounds differently,
+  // so this test tells the two apart.
+  EXPECT_GT(reciprocal_differs, 0u);
+}
+
 }  // namespace
 }  // namespace fsdp_ext::comm

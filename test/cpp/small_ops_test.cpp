@@ -156,7 +156,7 @@ TEST(SmallOpsReductions, AverageAndPremultipliedSumOfFloats) {
   const auto errors = on_every_rank(3, [&](int rank) {
     SmallOpChannel& channel = *channels[rank];
     std::vector<double> values = {1.0 + rank, 2.0 * rank, -3.0};
-    ReduceSpec average{DataType::kFloat64, ReduceKind::kSum, 1.0, 1.0 / 3};
+    ReduceSpec average{DataType::kFloat64, ReduceKind::kSum, 1.0, 3.0};
     start_small_allreduce(channel, 1, {values.data(), 24}, average);
     channel.wait(wait_for(30s));
     finish_small_allreduce(channel, {values.data(), 24}, average);

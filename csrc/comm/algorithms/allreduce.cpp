@@ -51,7 +51,7 @@ void allreduce_direct(OpContext& context, const std::vector<AllreduceMember>& bu
       reduce_into(accumulator, contributions[m][p], count, member.spec.type, member.spec.kind);
     }
     detail::copy_if_distinct(member.data.data, accumulator, member.data.bytes);
-    detail::post_scale(member.data.data, member.data.bytes, member.spec);
+    detail::post_divide(member.data.data, member.data.bytes, member.spec);
   }
 }
 
@@ -130,7 +130,7 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
       detail::reduce_sources(MutableSpan{out + offset, bytes}, out + offset, others,
                              bucket[m].spec);
     }
-    detail::post_scale(mine.data, mine.bytes, bucket[m].spec);
+    detail::post_divide(mine.data, mine.bytes, bucket[m].spec);
   }
   // Phase 2: every rank copies the peers' reduced blocks out of their
   // buffers (in place for buffers from the pool; large ordinary blocks with
@@ -168,7 +168,7 @@ void allreduce(OpContext& context, const std::vector<AllreduceMember>& bucket) {
     for (const AllreduceMember& member : bucket) {
       // A group of one still applies PREMUL_SUM's factor and AVG's divide.
       detail::pre_scale_in_place(member.data, member.spec);
-      detail::post_scale(member.data.data, member.data.bytes, member.spec);
+      detail::post_divide(member.data.data, member.data.bytes, member.spec);
     }
     return;
   }

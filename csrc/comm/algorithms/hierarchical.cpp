@@ -29,7 +29,7 @@ namespace fsdp_ext::comm {
 namespace {
 
 ReduceSpec first_phase(ReduceSpec spec) {
-  spec.post_scale = 1.0;
+  spec.post_divisor = 1.0;
   return spec;
 }
 

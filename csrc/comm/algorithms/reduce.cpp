@@ -28,7 +28,7 @@ void reduce(OpContext& context, MutableSpan data, int root, const ReduceSpec& sp
     context.wait_one(receives, i);
     reduce_into(data.data, staging[receives[i].peer], count, spec.type, spec.kind);
   }
-  detail::post_scale(data.data, data.bytes, spec);
+  detail::post_divide(data.data, data.bytes, spec);
 }
 
 }  // namespace fsdp_ext::comm

@@ -181,7 +181,7 @@ void reduce_scatter(OpContext& context, const std::vector<ReduceScatterMember>& 
     }
   }
   for (const ReduceScatterMember& member : bucket) {
-    detail::post_scale(member.output.data, member.output.bytes, member.spec);
+    detail::post_divide(member.output.data, member.output.bytes, member.spec);
   }
 }
 

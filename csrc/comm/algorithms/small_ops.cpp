@@ -58,7 +58,7 @@ void reduce_contributions(const SmallOpChannel& channel, size_t offset, MutableS
   for (int r = 1; r < channel.size(); ++r) {
     reduce_into(out.data, channel.data_of(r) + offset, count, spec.type, spec.kind);
   }
-  if (spec.post_scale != 1.0) scale_in_place(out.data, count, spec.type, spec.post_scale);
+  if (spec.post_divisor != 1.0) divide_in_place(out.data, count, spec.type, spec.post_divisor);
 }
 
 }  // namespace

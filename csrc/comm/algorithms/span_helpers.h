@@ -28,9 +28,9 @@ inline const void* pre_scaled(OpContext& context, const void* input, size_t byte
   return copy;
 }
 
-inline void post_scale(void* data, size_t bytes, const ReduceSpec& spec) {
-  if (spec.post_scale != 1.0) {
-    scale_in_place(data, bytes / element_size(spec.type), spec.type, spec.post_scale);
+inline void post_divide(void* data, size_t bytes, const ReduceSpec& spec) {
+  if (spec.post_divisor != 1.0) {
+    divide_in_place(data, bytes / element_size(spec.type), spec.type, spec.post_divisor);
   }
 }
 

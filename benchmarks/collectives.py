@@ -401,6 +401,10 @@ def main():
     parser.add_argument("--torchrun-worker", metavar="RESULT_FILE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = sizes_between(args.min_bytes, args.max_bytes)
+    if not sizes:
+        parser.error(f"no message size between --min-bytes {args.min_bytes} and --max-bytes "
+                     f"{args.max_bytes}: the sizes measured are 4 B times powers of 4 "
+                     f"(4 B, 16 B, 64 B, ... 64 MiB)")
     if args.torchrun_worker:
         return _torchrun_worker(args.ops, sizes, args.repeats, args.torchrun_worker)
     results_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -176,6 +176,20 @@ def check_group_allocation(ctx):
     if n > 1:
         path = "pieces_process_reads" if after["process_reads_enabled"] else "pieces_staged"
         assert after[path] > before[path], (before, after)
+    # A reduce-scatter's large ordinary blocks too: the owner reads them a
+    # chunk at a time and reduces them from cache.
+    before = after
+    whole = [pattern(r, numel * n, torch.float32) for r in range(n)]
+    shard = torch.empty(numel)
+    with forced(FSDP_EXT_REDUCE_SCATTER_ALGO="shm"):
+        dist.reduce_scatter_tensor(shard, whole[rank].clone())
+    expected = expected_reduction(whole, "SUM", torch.float32, n)
+    assert_equal(shard, expected[rank * numel:(rank + 1) * numel],
+                 "reduce_scatter of a large ordinary tensor")
+    after = be._pool_stats()
+    if n > 1:
+        path = "pieces_process_reads" if after["process_reads_enabled"] else "pieces_staged"
+        assert after[path] >= before[path] + (n - 1), (before, after)
 
 
 def check_allocation_errors(ctx):
@@ -313,6 +327,12 @@ def check_large_ordinary_tensors_staged(ctx):
     dist.all_gather_into_tensor(out, pattern(rank, numel, torch.float32))
     assert_equal(out, torch.cat([pattern(r, numel, torch.float32) for r in range(n)]),
                  "all_gather of a large ordinary tensor, staged")
+    shard = torch.empty(numel)
+    dist.reduce_scatter_tensor(shard, pattern(rank, numel * n, torch.float32))
+    expected = expected_reduction([pattern(r, numel * n, torch.float32) for r in range(n)],
+                                  "SUM", torch.float32, n)
+    assert_equal(shard, expected[rank * numel:(rank + 1) * numel],
+                 "reduce_scatter of a large ordinary tensor, staged")
     after = be._pool_stats()
     assert after["pieces_staged"] > stats["pieces_staged"]
     assert after["pieces_process_reads"] == stats["pieces_process_reads"] == 0

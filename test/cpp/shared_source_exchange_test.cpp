@@ -1,7 +1,8 @@
 // The shared-memory protocol's building block (algorithms/
 // shared_source_exchange.h) between ranks as threads: pieces in ordinary
 // memory are staged, pieces in pool buffers are read in place, large pieces
-// of copy-only exchanges are read with process_vm_readv, and sizes that
+// of exchanges whose readers take process memory are read with
+// process_vm_readv (copied out, or reduced a chunk at a time), and sizes that
 // differ between ranks fail as a mismatch instead of a wrong read.
 #include <gtest/gtest.h>
 
@@ -79,10 +80,11 @@ TEST(SharedSourceExchange, StagedInPlaceAndEmptyPiecesReadBack) {
   }
 }
 
-// Copy-only exchanges (broadcast, all-gather into ordinary tensors) offer
-// pieces of 1 MiB and more as process memory when process reads are on, and
-// stage them otherwise; copy_out gives the same bytes either way.
-void copy_only_round_trip(bool process_reads) {
+// Exchanges whose readers take process memory (every shared-memory
+// algorithm's) offer pieces of 1 MiB and more as process memory when process
+// reads are on, and stage them otherwise; copy_out gives the same bytes
+// either way.
+void process_memory_round_trip(bool process_reads) {
   LoopbackOptions options;
   options.process_reads = process_reads;
   LoopbackGroup group(2, options);
@@ -92,8 +94,9 @@ void copy_only_round_trip(bool process_reads) {
   for (int r = 0; r < 2; ++r) {
     for (size_t i = 0; i < bytes; ++i) sources[r][i] = byte_of(r, 1 - r, i);
   }
-  group.run_ok("copy-only exchange", [&](int r, OpContext& context) {
-    SharedSourceExchange exchange(context, *context.shared_memory(), 0, 0, /*copy_only=*/true);
+  group.run_ok("process-memory exchange", [&](int r, OpContext& context) {
+    SharedSourceExchange exchange(context, *context.shared_memory(), 0, 0,
+                                  /*process_memory_readers=*/true);
     exchange.offer(1 - r, {ConstSpan{sources[r].data(), bytes}});
     exchange.expect(1 - r, {bytes});
     exchange.exchange();
@@ -107,9 +110,73 @@ void copy_only_round_trip(bool process_reads) {
   }
 }
 
-TEST(SharedSourceExchange, CopyOnlyLargePiecesAreReadAsProcessMemory) { copy_only_round_trip(true); }
+TEST(SharedSourceExchange, LargePiecesAreReadAsProcessMemory) { process_memory_round_trip(true); }
 
-TEST(SharedSourceExchange, CopyOnlyWithoutProcessReadsStages) { copy_only_round_trip(false); }
+TEST(SharedSourceExchange, WithoutProcessReadsLargePiecesAreStaged) {
+  process_memory_round_trip(false);
+}
+
+// reduce_pieces over 3 ranks whose pieces are of every kind at once: a small
+// staged one (rank 0's block: 5 floats), and blocks over 1 MiB read as
+// process memory a chunk at a time, their sizes awkward against the 256 KiB
+// chunk (2^18 + 3 + owner floats). Contributions are small integers, so the
+// sum is exact and compared element by element.
+void reduce_pieces_of_every_kind(bool process_reads) {
+  constexpr int n = 3;
+  LoopbackOptions options;
+  options.process_reads = process_reads;
+  LoopbackGroup group(n, options);
+  auto block_floats = [](int owner) -> size_t { return owner == 0 ? 5 : (1u << 18) + 3 + owner; };
+  auto contribution = [](int from, int owner, size_t i) {
+    return static_cast<float>((from * 7 + owner * 3 + i) % 11);
+  };
+  // inputs[from][owner]: what rank `from` contributes to `owner`'s block.
+  std::vector<std::vector<std::vector<float>>> inputs(n, std::vector<std::vector<float>>(n));
+  std::vector<std::vector<float>> outputs(n);
+  for (int from = 0; from < n; ++from) {
+    for (int owner = 0; owner < n; ++owner) {
+      for (size_t i = 0; i < block_floats(owner); ++i) {
+        inputs[from][owner].push_back(contribution(from, owner, i));
+      }
+    }
+    outputs[from].assign(block_floats(from), -1.0f);
+  }
+  group.run_ok("reduce_pieces", [&](int r, OpContext& context) {
+    SharedSourceExchange exchange(context, *context.shared_memory(), 0, 0,
+                                  /*process_memory_readers=*/true);
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      exchange.offer(p, {ConstSpan{inputs[r][p].data(), inputs[r][p].size() * sizeof(float)}});
+      exchange.expect(p, {block_floats(r) * sizeof(float)});
+    }
+    exchange.exchange();
+    exchange.reduce_pieces(0, MutableSpan{outputs[r].data(), outputs[r].size() * sizeof(float)},
+                           inputs[r][r].data(), ReduceSpec{DataType::kFloat32, ReduceKind::kSum});
+    exchange.finish();
+  });
+  for (int owner = 0; owner < n; ++owner) {
+    for (size_t i = 0; i < block_floats(owner); ++i) {
+      float sum = 0;
+      for (int from = 0; from < n; ++from) sum += contribution(from, owner, i);
+      ASSERT_EQ(outputs[owner][i], sum) << "owner " << owner << ", element " << i;
+    }
+    // Pieces of rank 0's small block are staged; the others are offered as
+    // process memory when allowed: rank 0 offers two (to ranks 1 and 2),
+    // ranks 1 and 2 one each (their piece for rank 0 is small).
+    const uint64_t large_offered = owner == 0 ? 2 : 1;
+    EXPECT_EQ(group.domain(owner).pieces_offered_for_process_reads(),
+              process_reads ? large_offered : 0u)
+        << "rank " << owner;
+  }
+}
+
+TEST(SharedSourceExchange, ReducePiecesStagedAndReadAsProcessMemory) {
+  reduce_pieces_of_every_kind(true);
+}
+
+TEST(SharedSourceExchange, ReducePiecesAllStagedWithoutProcessReads) {
+  reduce_pieces_of_every_kind(false);
+}
 
 TEST(SharedSourceExchange, SizesThatDifferBetweenRanksAreAMismatch) {
   LoopbackGroup group(2);

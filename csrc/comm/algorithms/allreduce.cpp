@@ -73,10 +73,6 @@ void allreduce_ring(OpContext& context, const std::vector<AllreduceMember>& buck
   allgather(context, gather);
 }
 
-// Peers' blocks read as process memory arrive this much at a time (a
-// multiple of every element size, small enough to stay in L2 while reduced).
-constexpr size_t kReduceChunkBytes = 256 << 10;
-
 void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
                       const std::vector<AllreduceMember>& bucket) {
   const int n = context.size();
@@ -88,10 +84,11 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
   // Phase 1: reduce this rank's block of every member out of the peers'
   // buffers, in place. Peers read only their own block p of this rank's
   // buffer, never block r, so block r can be overwritten while they read.
-  // Copy-only: large blocks of ordinary memory are offered as process memory
+  // Large blocks of ordinary memory are offered as process memory
   // instead of being staged by their owner, and read here a cache-sized chunk
   // at a time, so the reduction takes them from cache.
-  SharedSourceExchange inputs(context, domain, 0, /*staging_slot=*/0, /*copy_only=*/true);
+  SharedSourceExchange inputs(context, domain, 0, /*staging_slot=*/0,
+                              /*process_memory_readers=*/true);
   for (int p = 0; p < n; ++p) {
     if (p == r) continue;
     std::vector<ConstSpan> pieces;
@@ -105,31 +102,10 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
   }
   for (const AllreduceMember& member : bucket) detail::pre_scale_in_place(member.data, member.spec);
   inputs.exchange();
-  char* chunks = nullptr;  // one chunk per peer, for blocks read as process memory
-  std::vector<const void*> others;
   for (size_t m = 0; m < bucket.size(); ++m) {
     MutableSpan mine = blocks[m][r];
-    char* out = static_cast<char*>(mine.data);
     // Own block first, then the peers in rank order, as reduce-scatter does.
-    for (size_t offset = 0; offset < mine.bytes; offset += kReduceChunkBytes) {
-      const size_t bytes = std::min(kReduceChunkBytes, mine.bytes - offset);
-      others.clear();
-      for (int p = 0; p < n; ++p) {
-        if (p == r) continue;
-        if (const char* source = inputs.source(p, m)) {
-          others.push_back(source + offset);
-          continue;
-        }
-        if (chunks == nullptr) {
-          chunks = static_cast<char*>(context.scratch(kReduceChunkBytes * (n - 1)));
-        }
-        char* chunk = chunks + kReduceChunkBytes * (p < r ? p : p - 1);
-        inputs.copy_range(p, m, offset, bytes, chunk);
-        others.push_back(chunk);
-      }
-      detail::reduce_sources(MutableSpan{out + offset, bytes}, out + offset, others,
-                             bucket[m].spec);
-    }
+    inputs.reduce_pieces(m, mine, mine.data, bucket[m].spec);
     detail::post_divide(mine.data, mine.bytes, bucket[m].spec);
   }
   // Phase 2: every rank copies the peers' reduced blocks out of their
@@ -137,7 +113,8 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
   // process_vm_readv; the rest staged). A peer's phase-2 header also says it
   // has finished reading this rank's buffers in phase 1, so once every header
   // is in, blocks p can be overwritten.
-  SharedSourceExchange results(context, domain, 2, /*staging_slot=*/1, /*copy_only=*/true);
+  SharedSourceExchange results(context, domain, 2, /*staging_slot=*/1,
+                               /*process_memory_readers=*/true);
   std::vector<ConstSpan> reduced_blocks;
   for (size_t m = 0; m < bucket.size(); ++m) {
     reduced_blocks.push_back(ConstSpan{blocks[m][r].data, blocks[m][r].bytes});

@@ -4,7 +4,9 @@
 //   ring  : n-1 steps passing partial sums to the next rank, which adds its
 //           own contribution; two staging buffers per member.
 //   shm   : the owner of each block reads every peer's contribution straight
-//           out of the peer's memory and reduces it in one cache-blocked pass.
+//           out of the peer's memory (shared, or with process_vm_readv a chunk
+//           at a time when large and ordinary) and reduces it in one
+//           cache-blocked pass.
 // Each block is computed by its owner only, always in the same order, so an
 // all-reduce built from reduce-scatter + all-gather gives bitwise-identical
 // results everywhere.
@@ -124,7 +126,11 @@ void reduce_scatter_shared(OpContext& context, SharedMemoryDomain& domain,
                            const std::vector<ReduceScatterMember>& bucket) {
   const int n = context.size();
   const int r = context.rank();
-  SharedSourceExchange exchange(context, domain, 0);
+  // Large blocks of ordinary memory are offered as process memory rather
+  // than staged by their owner (one copy fewer: the reader copies a chunk at
+  // a time into cache and reduces it there).
+  SharedSourceExchange exchange(context, domain, 0, /*staging_slot=*/0,
+                                /*process_memory_readers=*/true);
   for (int p = 0; p < n; ++p) {
     if (p == r) continue;
     std::vector<ConstSpan> pieces;
@@ -139,13 +145,8 @@ void reduce_scatter_shared(OpContext& context, SharedMemoryDomain& domain,
   exchange.exchange();
   // Own contribution first (so an output that aliases it is read before it
   // is written), then the peers' in rank order.
-  std::vector<const void*> others;
   for (size_t m = 0; m < bucket.size(); ++m) {
-    others.clear();
-    for (int p = 0; p < n; ++p) {
-      if (p != r) others.push_back(exchange.source(p, m));
-    }
-    detail::reduce_sources(bucket[m].output, bucket[m].inputs[r].data, others, bucket[m].spec);
+    exchange.reduce_pieces(m, bucket[m].output, bucket[m].inputs[r].data, bucket[m].spec);
   }
   exchange.finish();
 }

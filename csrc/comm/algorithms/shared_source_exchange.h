@@ -31,19 +31,20 @@ class SharedSourceExchange {
  public:
   // Uses steps `first_step` (headers) and `first_step + 1` (done messages);
   // `staging_slot` is the domain slot for pieces that need staging.
-  // `copy_only`: readers only copy pieces out (copy_out), never read them in
-  // place, so large pieces outside shared memory may be offered as ordinary
-  // process memory that readers copy with process_vm_readv: one copy
-  // instead of staging plus copy.
+  // `process_memory_readers`: the readers take every piece through
+  // copy_out, copy_range or reduce_pieces (not through source() alone), so
+  // large pieces outside shared memory may be offered as ordinary process
+  // memory that they copy with process_vm_readv: one copy instead of a
+  // staging copy by the owner plus the read.
   SharedSourceExchange(OpContext& context, SharedMemoryDomain& domain, uint32_t first_step,
-                       int staging_slot = 0, bool copy_only = false);
+                       int staging_slot = 0, bool process_memory_readers = false);
 
   void offer(int peer, std::vector<ConstSpan> pieces);
   void expect(int peer, std::vector<size_t> piece_bytes);
 
   void exchange();
   // Start of `peer`'s piece `index` (valid until finish()); null if empty
-  // or offered as process memory (copy_only exchanges; use copy_range).
+  // or offered as process memory (process_memory_readers exchanges; use copy_range).
   const char* source(int peer, size_t index) const { return sources_[peer][index]; }
   // Copies `peer`'s piece `index` into `destination`.
   void copy_out(int peer, size_t index, void* destination) {
@@ -62,6 +63,13 @@ class SharedSourceExchange {
     part.bytes = bytes;
     domain_.copy_from_peer(peer, part, destination);
   }
+  // output = own (op) every peer's piece `index`, peers in rank order, a
+  // chunk at a time. Pieces in shared memory are reduced in place; pieces
+  // offered as process memory are first copied a chunk at a time into
+  // scratch, so the reduction takes them from cache. `own` may alias
+  // `output`. The same order on every rank, whatever the pieces' kind, so
+  // results are bitwise identical.
+  void reduce_pieces(size_t index, MutableSpan output, const void* own, const ReduceSpec& spec);
   void finish();
 
  private:
@@ -69,7 +77,7 @@ class SharedSourceExchange {
   SharedMemoryDomain& domain_;
   uint32_t header_step_;
   int staging_slot_;
-  bool copy_only_;
+  bool process_memory_readers_;
   std::vector<std::vector<ConstSpan>> offers_;
   std::vector<bool> offered_;
   std::vector<std::vector<size_t>> expected_;
@@ -77,6 +85,7 @@ class SharedSourceExchange {
   std::vector<std::vector<SharedPiece>> headers_out_;
   std::vector<std::vector<SharedPiece>> headers_in_;
   std::vector<std::vector<const char*>> sources_;
+  char* chunks_ = nullptr;  // one chunk per peer, for pieces read as process memory
 };
 
 }  // namespace fsdp_ext::comm

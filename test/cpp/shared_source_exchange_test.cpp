@@ -81,14 +81,13 @@ TEST(SharedSourceExchange, StagedInPlaceAndEmptyPiecesReadBack) {
 }
 
 // Exchanges whose readers take process memory (every shared-memory
-// algorithm's) offer pieces of 1 MiB and more as process memory when process
-// reads are on, and stage them otherwise; copy_out gives the same bytes
-// either way.
-void process_memory_round_trip(bool process_reads) {
+// algorithm's) offer pieces of kProcessReadMinBytes and more as process
+// memory when process reads are on, and stage them otherwise (and smaller
+// pieces always); copy_out gives the same bytes either way.
+void process_memory_round_trip(bool process_reads, size_t bytes) {
   LoopbackOptions options;
   options.process_reads = process_reads;
   LoopbackGroup group(2, options);
-  const size_t bytes = (1 << 20) + 3;
   std::vector<std::vector<uint8_t>> sources(2, std::vector<uint8_t>(bytes));
   std::vector<std::vector<uint8_t>> copies(2, std::vector<uint8_t>(bytes, 0));
   for (int r = 0; r < 2; ++r) {
@@ -105,15 +104,23 @@ void process_memory_round_trip(bool process_reads) {
   });
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(std::memcmp(copies[r].data(), sources[1 - r].data(), bytes), 0) << "rank " << r;
-    EXPECT_EQ(group.domain(r).pieces_offered_for_process_reads(), process_reads ? 1u : 0u);
-    EXPECT_EQ(group.domain(r).pieces_staged(), process_reads ? 0u : 1u);
+    const bool direct = process_reads && bytes >= kProcessReadMinBytes;
+    EXPECT_EQ(group.domain(r).pieces_offered_for_process_reads(), direct ? 1u : 0u) << bytes;
+    EXPECT_EQ(group.domain(r).pieces_staged(), direct ? 0u : 1u) << bytes;
   }
 }
 
-TEST(SharedSourceExchange, LargePiecesAreReadAsProcessMemory) { process_memory_round_trip(true); }
+TEST(SharedSourceExchange, LargePiecesAreReadAsProcessMemory) {
+  process_memory_round_trip(true, kProcessReadMinBytes);
+  process_memory_round_trip(true, (1 << 20) + 3);
+}
+
+TEST(SharedSourceExchange, PiecesUnderTheThresholdAreStaged) {
+  process_memory_round_trip(true, kProcessReadMinBytes - 1);
+}
 
 TEST(SharedSourceExchange, WithoutProcessReadsLargePiecesAreStaged) {
-  process_memory_round_trip(false);
+  process_memory_round_trip(false, (1 << 20) + 3);
 }
 
 // reduce_pieces over 3 ranks whose pieces are of every kind at once: a small

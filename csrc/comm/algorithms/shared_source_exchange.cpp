@@ -10,11 +10,6 @@
 
 namespace fsdp_ext::comm {
 namespace {
-// Below this a staging copy plus a copy out of shared memory beats one
-// process_vm_readv, which pins every page it reads (measured on 2 cores:
-// 512 KiB pieces ~70 us staged vs ~90-130 us; 2 MiB pieces 370 vs 260 us).
-constexpr size_t kProcessReadMinBytes = 1 << 20;
-
 // Pieces read as process memory arrive this much at a time (a multiple of
 // every element size, small enough to stay in L2 while reduced).
 constexpr size_t kReduceChunkBytes = 256 << 10;
@@ -22,12 +17,14 @@ constexpr size_t kReduceChunkBytes = 256 << 10;
 
 SharedSourceExchange::SharedSourceExchange(OpContext& context, SharedMemoryDomain& domain,
                                            uint32_t first_step, int staging_slot,
-                                           bool process_memory_readers)
+                                           bool process_memory_readers,
+                                           size_t process_read_min_bytes)
     : context_(context),
       domain_(domain),
       header_step_(first_step),
       staging_slot_(staging_slot),
       process_memory_readers_(process_memory_readers),
+      process_read_min_bytes_(process_read_min_bytes),
       offers_(context.size()),
       offered_(context.size(), false),
       expected_(context.size()),
@@ -61,7 +58,7 @@ void SharedSourceExchange::exchange() {
         located[key] = *found;
         domain_.count_offered(SharedMemoryDomain::Offer::kInPlace);
       } else if (process_memory_readers_ && domain_.process_reads() &&
-                 piece.bytes >= kProcessReadMinBytes) {
+                 piece.bytes >= process_read_min_bytes_) {
         SharedPiece direct;
         direct.in_process_memory = 1;
         direct.process_address = reinterpret_cast<uint64_t>(piece.data);

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "comm/algorithm_selection.h"
+#include "comm/algorithms/span_helpers.h"
 #include "comm/error.h"
 #include "comm/reduce_kernels.h"
 
@@ -49,7 +50,7 @@ void contribute_for_reduction(SmallOpChannel& channel, uint64_t seq, SmallOp op,
 }
 
 // out = the bytes at `offset` of every rank's contribution, reduced in rank
-// order on every rank (the same rounding everywhere), then post-scaled.
+// order on every rank (the same rounding everywhere), then divided for AVG.
 void reduce_contributions(const SmallOpChannel& channel, size_t offset, MutableSpan out,
                           const ReduceSpec& spec) {
   if (out.bytes == 0) return;
@@ -58,7 +59,7 @@ void reduce_contributions(const SmallOpChannel& channel, size_t offset, MutableS
   for (int r = 1; r < channel.size(); ++r) {
     reduce_into(out.data, channel.data_of(r) + offset, count, spec.type, spec.kind);
   }
-  if (spec.post_divisor != 1.0) divide_in_place(out.data, count, spec.type, spec.post_divisor);
+  detail::post_divide(out.data, out.bytes, spec);
 }
 
 }  // namespace

@@ -94,8 +94,7 @@ void process_memory_round_trip(bool process_reads, size_t bytes) {
     for (size_t i = 0; i < bytes; ++i) sources[r][i] = byte_of(r, 1 - r, i);
   }
   group.run_ok("process-memory exchange", [&](int r, OpContext& context) {
-    SharedSourceExchange exchange(context, *context.shared_memory(), 0, 0,
-                                  /*process_memory_readers=*/true);
+    SharedSourceExchange exchange(context, *context.shared_memory(), 0, 0, kProcessReadMinBytes);
     exchange.offer(1 - r, {ConstSpan{sources[r].data(), bytes}});
     exchange.expect(1 - r, {bytes});
     exchange.exchange();
@@ -149,8 +148,7 @@ void reduce_pieces_of_every_kind(bool process_reads) {
     outputs[from].assign(block_floats(from), -1.0f);
   }
   group.run_ok("reduce_pieces", [&](int r, OpContext& context) {
-    SharedSourceExchange exchange(context, *context.shared_memory(), 0, 0,
-                                  /*process_memory_readers=*/true);
+    SharedSourceExchange exchange(context, *context.shared_memory(), 0, 0, kProcessReadMinBytes);
     for (int p = 0; p < n; ++p) {
       if (p == r) continue;
       exchange.offer(p, {ConstSpan{inputs[r][p].data(), inputs[r][p].size() * sizeof(float)}});

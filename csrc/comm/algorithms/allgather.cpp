@@ -73,8 +73,7 @@ void allgather_shared(OpContext& context, SharedMemoryDomain& domain,
                       const std::vector<AllgatherMember>& bucket) {
   const int n = context.size();
   const int r = context.rank();
-  SharedSourceExchange exchange(context, domain, 0, /*staging_slot=*/0,
-                                /*process_memory_readers=*/true);
+  SharedSourceExchange exchange(context, domain, 0, /*staging_slot=*/0, kProcessReadMinBytes);
   std::vector<ConstSpan> inputs;
   for (const AllgatherMember& member : bucket) inputs.push_back(member.input);
   for (int p = 0; p < n; ++p) {

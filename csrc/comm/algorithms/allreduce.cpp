@@ -88,7 +88,6 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
   // instead of being staged by their owner, and read here a cache-sized chunk
   // at a time, so the reduction takes them from cache.
   SharedSourceExchange inputs(context, domain, 0, /*staging_slot=*/0,
-                              /*process_memory_readers=*/true,
                               kAllreduceProcessReadMinBytes);
   for (int p = 0; p < n; ++p) {
     if (p == r) continue;
@@ -115,7 +114,6 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
   // has finished reading this rank's buffers in phase 1, so once every header
   // is in, blocks p can be overwritten.
   SharedSourceExchange results(context, domain, 2, /*staging_slot=*/1,
-                               /*process_memory_readers=*/true,
                                kAllreduceProcessReadMinBytes);
   std::vector<ConstSpan> reduced_blocks;
   for (size_t m = 0; m < bucket.size(); ++m) {

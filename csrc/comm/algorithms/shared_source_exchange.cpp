@@ -17,13 +17,11 @@ constexpr size_t kReduceChunkBytes = 256 << 10;
 
 SharedSourceExchange::SharedSourceExchange(OpContext& context, SharedMemoryDomain& domain,
                                            uint32_t first_step, int staging_slot,
-                                           bool process_memory_readers,
                                            size_t process_read_min_bytes)
     : context_(context),
       domain_(domain),
       header_step_(first_step),
       staging_slot_(staging_slot),
-      process_memory_readers_(process_memory_readers),
       process_read_min_bytes_(process_read_min_bytes),
       offers_(context.size()),
       offered_(context.size(), false),
@@ -57,8 +55,7 @@ void SharedSourceExchange::exchange() {
       if (std::optional<SharedPiece> found = domain_.locate(piece.data, piece.bytes)) {
         located[key] = *found;
         domain_.count_offered(SharedMemoryDomain::Offer::kInPlace);
-      } else if (process_memory_readers_ && domain_.process_reads() &&
-                 piece.bytes >= process_read_min_bytes_) {
+      } else if (domain_.process_reads() && piece.bytes >= process_read_min_bytes_) {
         SharedPiece direct;
         direct.in_process_memory = 1;
         direct.process_address = reinterpret_cast<uint64_t>(piece.data);

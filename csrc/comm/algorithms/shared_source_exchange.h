@@ -37,27 +37,27 @@ namespace fsdp_ext::comm {
 // bound), so it keeps 1 MiB.
 constexpr size_t kProcessReadMinBytes = 512 << 10;
 constexpr size_t kAllreduceProcessReadMinBytes = 1 << 20;
+// For readers that take pieces only through source(): nothing is offered as
+// process memory (source() has no address for it).
+constexpr size_t kNoProcessReads = SIZE_MAX;
 
 class SharedSourceExchange {
  public:
   // Uses steps `first_step` (headers) and `first_step + 1` (done messages);
   // `staging_slot` is the domain slot for pieces that need staging.
-  // `process_memory_readers`: the readers take every piece through
-  // copy_out, copy_range or reduce_pieces (not through source() alone), so
-  // large pieces outside shared memory may be offered as ordinary process
-  // memory that they copy with process_vm_readv: one copy instead of a
-  // staging copy by the owner plus the read; pieces of at least
-  // `process_read_min_bytes`.
+  // `process_read_min_bytes`: pieces outside shared memory of at least this
+  // size are offered as ordinary process memory, which readers copy with
+  // process_vm_readv through copy_out, copy_range or reduce_pieces: one copy
+  // instead of a staging copy by the owner plus the read.
   SharedSourceExchange(OpContext& context, SharedMemoryDomain& domain, uint32_t first_step,
-                       int staging_slot = 0, bool process_memory_readers = false,
-                       size_t process_read_min_bytes = kProcessReadMinBytes);
+                       int staging_slot = 0, size_t process_read_min_bytes = kNoProcessReads);
 
   void offer(int peer, std::vector<ConstSpan> pieces);
   void expect(int peer, std::vector<size_t> piece_bytes);
 
   void exchange();
   // Start of `peer`'s piece `index` (valid until finish()); null if empty
-  // or offered as process memory (process_memory_readers exchanges; use copy_range).
+  // or offered as process memory (use copy_range).
   const char* source(int peer, size_t index) const { return sources_[peer][index]; }
   // Copies `peer`'s piece `index` into `destination`.
   void copy_out(int peer, size_t index, void* destination) {
@@ -90,7 +90,6 @@ class SharedSourceExchange {
   SharedMemoryDomain& domain_;
   uint32_t header_step_;
   int staging_slot_;
-  bool process_memory_readers_;
   size_t process_read_min_bytes_;
   std::vector<std::vector<ConstSpan>> offers_;
   std::vector<bool> offered_;

@@ -174,6 +174,51 @@ def _build(case, api, mesh):
                        for h, t in zip(hidden.chunk(2), targets.chunk(2)))
 
         return model, chunked, extra
+    if case == "grouped_head_after_backward":
+        model = TiedLM()
+        model.head.weight = nn.Parameter(model.head.weight.detach().clone())
+        for layer in (model.body[0], model.body[2]):
+            api.fully_shard(layer, mesh=mesh)
+        api.fully_shard([model.norm, model.head], mesh=mesh)
+        api.fully_shard(model, mesh=mesh)
+
+        def head_again(m, r, s):
+            tokens, targets = lm_batch(r, s, batch=4)
+            lm_loss(m.head(m(tokens)).flatten(0, 1), targets).backward()
+            # After that backward has finished: the grouped head on its own,
+            # the only module of its group to run (no pre-backward hook), and
+            # a second backward whose gradients must reach the head too.
+            h = torch.randn(3, 16, generator=torch.Generator().manual_seed(10 * s + r))
+            return m.head(h.requires_grad_()).pow(2).mean()
+
+        return model, head_again, extra
+    if case == "per_param_mesh":
+        # Dense parameters sharded over all 4 ranks (fully_shard's 1-D mesh);
+        # each block's feed-forward, standing for an expert, on its own 2x2
+        # HSDP mesh through ShardPlacementResult: two groups per block.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp._fully_shard._fsdp_common import (
+            HSDPMeshInfo,
+            ShardPlacementResult,
+        )
+        from torch.distributed.tensor import Shard
+
+        expert_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        expert_info = HSDPMeshInfo(expert_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+        model = TinyLM()
+        experts = {id(p) for block in model.layers for p in block.feed_forward.parameters()}
+
+        def placement(param):
+            if id(param) in experts:
+                return ShardPlacementResult(Shard(0), expert_info)
+            return None
+
+        for block in model.layers:
+            api.fully_shard(block, mesh=mesh, shard_placement_fn=placement)
+        api.fully_shard(model, mesh=mesh)
+        extra["groups_per_block"] = [
+            len(block._get_fsdp_state()._fsdp_param_groups) for block in model.layers]
+        return model, lambda m, r, s: lm_loss(m(lm_batch(r, s)[0]), lm_batch(r, s)[1]), extra
     if case == "tied_grouped":
         model = TiedLM()
         for layer in (model.body[0], model.body[2]):
@@ -224,10 +269,13 @@ def _build(case, api, mesh):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # upstream deprecates this alias
                 module.set_reduce_scatter_divide_factor(3.0)
-    elif case == "all_reduce_hook":
+    elif case in ("all_reduce_hook", "all_reduce_hook_stream"):
         extra["hooks"] = [HookRecorder() for _ in fsdp_modules]
+        # On a CPU mesh upstream runs the hook under torch.cpu.stream(stream),
+        # which orders nothing: same numbers, same calls.
+        stream = {"stream": torch.cpu.Stream()} if case == "all_reduce_hook_stream" else {}
         for module, hook in zip(fsdp_modules, extra["hooks"]):
-            module.set_all_reduce_hook(hook)
+            module.set_all_reduce_hook(hook, **stream)
     elif case == "force_sum":
         for module in fsdp_modules:
             module.set_force_sum_reduction_for_comms(True)
@@ -279,6 +327,8 @@ def train_case(ctx, backend, mesh_shape, case):
         report = {}
         if "hooks" in extra:
             report["hook_calls"] = [h.calls for h in extra["hooks"]]
+        if "groups_per_block" in extra:
+            report["groups_per_block"] = extra["groups_per_block"]
         if "ag" in extra:
             report["custom"] = (extra["ag"].calls, extra["ag"].allocs, extra["rs"].calls,
                                 extra["rs"].allocs, sorted(extra["rs"].ops))
@@ -313,6 +363,35 @@ def test_all_reduce_hook_matches_upstream(backend, mesh_shape):
                          "all_reduce_hook")
     # One call per group per step, after the reduce-scatter or all-reduce.
     assert per_rank[0]["ours"]["report"]["hook_calls"] == [STEPS] * 4
+
+
+def test_all_reduce_hook_with_stream_on_cpu_mesh_matches_upstream():
+    per_rank = _run_case(2, "fsdp_ext", (2,), "all_reduce_hook_stream")
+    assert per_rank[0]["ours"]["report"]["hook_calls"] == [STEPS] * 4
+
+
+def _hook_stream_under_hsdp(ctx, impl):
+    api = fsdp_api(impl)
+    model = api.fully_shard(nn.Linear(4, 4), mesh=make_mesh(ctx, "fsdp_ext", (2, 2)))
+    try:
+        model.set_all_reduce_hook(lambda t: None, stream=torch.cpu.Stream())
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_all_reduce_hook_stream_refused_under_hsdp_as_upstream():
+    for impl in IMPLS:
+        messages = get_pool(4).run(_hook_stream_under_hsdp, impl)
+        assert messages == ["stream cannot be set when using native HSDP"] * 4, (impl, messages)
+
+
+def test_per_param_mesh_matches_upstream():
+    """ShardPlacementResult: a block's parameters on two meshes make two
+    parameter groups (an all-gather and a reduce-scatter each), with
+    upstream's losses, parameters and collective counts."""
+    per_rank = _run_case(4, "fsdp_ext", (4,), "per_param_mesh")
+    assert per_rank[0]["ours"]["report"]["groups_per_block"] == [2] * len(TinyLM().layers)
 
 
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["fsdp", "hsdp"])
@@ -360,6 +439,12 @@ def test_grouped_head_called_per_chunk_matches_upstream(backend):
     """fully_shard([norm, head]) where forward skips the head and the loss
     applies it per chunk: the head's gradients are reduced like upstream's."""
     _run_case(2, backend, (2,), "chunked_head")
+
+
+def test_grouped_head_called_alone_after_backward_matches_upstream():
+    """Regression: the second backward's gradients of a grouped module run on
+    its own were issued but never completed, so the head lost them."""
+    _run_case(2, "fsdp_ext", (2,), "grouped_head_after_backward")
 
 
 def test_tied_weights_in_one_group_match_upstream():

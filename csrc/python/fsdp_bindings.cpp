@@ -143,7 +143,7 @@ void bind_fsdp_runtime(py::module_& m) {
           },
           py::arg("reshard"), py::arg("post_forward_group") = py::none(),
           py::arg("post_forward_specs") = std::vector<py::object>())
-      .def_property("comm_context", &FsdpParamGroup::comm_context,
+      .def_property("comm_ctx", &FsdpParamGroup::comm_context,
                     &FsdpParamGroup::set_comm_context)
       .def("unshard", &FsdpParamGroup::unshard)
       .def("wait_for_unshard", &FsdpParamGroup::wait_for_unshard)

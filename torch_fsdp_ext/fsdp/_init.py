@@ -294,25 +294,87 @@ def orig_param_uid(param: nn.Parameter) -> int:
     return param._fsdp_ext_orig_uid
 
 
-def shard_placement(shard_placement_fn, param: nn.Parameter) -> Shard:
-    """The Shard placement `shard_placement_fn` picks for `param` (Shard(0)
-    without one), checked with upstream's rules and errors."""
+def resolve_placement(shard_placement_fn, param: nn.Parameter, info: MeshInfo,
+                      per_param_infos: dict):
+    """(Shard placement, MeshInfo) that `shard_placement_fn` picks for
+    `param`: None is Shard(0) on fully_shard's mesh, a Shard is that dim on
+    it, a ShardPlacementResult names its own mesh (e.g. experts sharded over
+    an expert-parallel mesh). Checked with upstream's rules and errors.
+    `per_param_infos`: one fully_shard call's MeshInfos made so far, by the
+    id of the upstream mesh info they were made from."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
 
     result = shard_placement_fn(param) if shard_placement_fn is not None else None
+    param_info = info
     if isinstance(result, ShardPlacementResult):
-        raise NotImplementedError(
-            "torch_fsdp_ext.fully_shard: ShardPlacementResult (a mesh per parameter) is not "
-            "supported yet; return a Shard placement or None"
-        )
+        param_info = _per_param_mesh_info(result.mesh_info, info, param, per_param_infos)
+        result = result.placement
     if result is None:
-        return Shard(0)
+        return Shard(0), param_info
     if not isinstance(result, Shard):
         raise ValueError(f"Invalid shard_placement_fn result: {result}")
     dim = result.dim + param.ndim if result.dim < 0 else result.dim
     if dim >= param.ndim:
         raise AssertionError(f"Shard dim {dim} is invalid for {param.ndim}D tensor: {param.shape}")
-    return Shard(dim)
+    # What FSDP shards: a DTensor's local tensor, else the parameter.
+    data = param._local_tensor if isinstance(param, DTensor) else param
+    if dim > 0 and data.shape[dim] % param_info.shard_size != 0:
+        raise NotImplementedError(
+            f"FSDP does not support uneven sharding on dim {dim}: {data.size()} "
+            f"(world size: {param_info.shard_size})"
+        )
+    return Shard(dim), param_info
+
+
+def _per_param_mesh_info(upstream_info, info: MeshInfo, param, per_param_infos) -> MeshInfo:
+    """The MeshInfo for an upstream FSDPMeshInfo: parameters naming one
+    upstream object share one MeshInfo object, which is how group_by_mesh
+    recognises them (each entry holds the upstream object too, so that its
+    id is not reused during the call)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+    if not isinstance(upstream_info, FSDPMeshInfo):
+        raise ValueError(
+            "Per-param mesh via shard_placement_fn requires an FSDPMeshInfo (or HSDPMeshInfo), "
+            f"got {type(upstream_info).__name__}"
+        )
+    if info.spmd_mesh is not None or isinstance(param, DTensor):
+        raise NotImplementedError(
+            "torch_fsdp_ext.fully_shard: a per-parameter mesh (ShardPlacementResult) together "
+            "with DTensor parameters or dp_mesh_dims is not supported yet"
+        )
+    entry = per_param_infos.get(id(upstream_info))
+    if entry is None or entry[0] is not upstream_info:
+        mesh = upstream_info.mesh
+        if mesh.device_type != info.mesh.device_type:
+            raise ValueError(
+                f"shard_placement_fn: the mesh of {upstream_info} is on {mesh.device_type}, "
+                f"fully_shard's on {info.mesh.device_type}"
+            )
+        replicate_dim = (upstream_info.replicate_mesh_dim
+                         if isinstance(upstream_info, HSDPMeshInfo) else None)
+        entry = (upstream_info, MeshInfo(mesh, upstream_info.shard_mesh_dim, replicate_dim))
+        per_param_infos[id(upstream_info)] = entry
+    return entry[1]
+
+
+def group_by_mesh(placements, info: MeshInfo):
+    """[(MeshInfo, indices of its parameters)], one entry per (shard group,
+    replicate group) in the order their first parameter comes: each becomes
+    one C++ parameter group, with its own all-gather and reduce-scatter."""
+    groups: dict = {}
+    for i, (_, param_info) in enumerate(placements):
+        key = (param_info.shard_group, param_info.replicate_group)
+        if key not in groups:
+            groups[key] = (param_info, [i])
+            continue
+        if groups[key][0] is not param_info:
+            raise ValueError(
+                "Params sharing the same process group must use the same FSDPMeshInfo object, "
+                f"but got different objects: {groups[key][0]} vs {param_info}"
+            )
+        groups[key][1].append(i)
+    return list(groups.values())
 
 
 def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str, slots,
@@ -320,7 +382,7 @@ def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str,
     """Shards `param` across the shard mesh dim as upstream does. On dim 0
     every rank holds ceil(d0 / W) rows (zero padding at the tail) and the
     DTensor's local tensor is the real rows, a view of the padded buffer the
-    all-gather reads; on another dim (which must divide evenly) each rank
+    all-gather reads; on another dim (resolve_placement checked it divides evenly) each rank
     holds its chunk along that dim, made contiguous. Under HSDP the DTensor
     is (Replicate(), Shard(d)) on the 2-D mesh."""
     world = info.shard_size
@@ -329,11 +391,6 @@ def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str,
     # A DTensor (tensor-parallel) parameter: FSDP shards its local tensor.
     tp_spec = param._spec if isinstance(param, DTensor) else None
     data = param._local_tensor if tp_spec is not None else param
-    if dim > 0 and data.shape[dim] % world != 0:
-        raise NotImplementedError(
-            f"FSDP does not support uneven sharding on dim {dim}: {data.size()} "
-            f"(world size: {world})"
-        )
     chunk, start, length = _C._fsdp_shard_extent(data.shape[dim], world, rank)
     padded_size = list(data.shape)
     padded_size[dim] = chunk

@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import contract
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import FSDPModule as UpstreamFSDPModule
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 from torch.distributed.utils import _get_root_modules
 
 from .. import _C
@@ -51,27 +52,45 @@ def fully_shard(
     params, buffers = _init.managed_states(managed, ignored_params)
     _init.move_to_device(params, buffers, device)
     slots = _init.module_slots(params, roots)
-    _init.validate_params(params, [s[0][1] for s in slots], info, post_forward_mesh)
+    names = [s[0][1] for s in slots]
+    # Every parameter's placement and mesh, then one plan per process group
+    # (several when shard_placement_fn returns ShardPlacementResults), each
+    # checked before the state and hooks exist.
+    per_param_infos: dict = {}
+    placements = [_init.resolve_placement(shard_placement_fn, p, info, per_param_infos)
+                  for p in params]
+    plans = []
+    for group_info, members in _init.group_by_mesh(placements, info):
+        if group_info is info:
+            group_reshard = (reshard, post_forward_mesh)
+        else:
+            group_reshard = _init.post_forward_setting(
+                True if auto_reshard else reshard_after_forward, group_info)
+        _init.validate_params([params[i] for i in members], [names[i] for i in members],
+                              group_info, group_reshard[1])
+        plans.append((group_info, members, group_reshard))
 
     state = fully_shard.state(roots[0])
     state.init(roots, mp_policy, offload_policy, auto_reshard)
-    if params:
+    for group_info, members, (group_reshard, group_post_forward_mesh) in plans:
         fsdp_params = [
-            _init.shard_param(p, info, _init.shard_placement(shard_placement_fn, p),
-                              f"{type(s[0][0]).__name__}.{s[0][1]}", s,
+            _init.shard_param(params[i], group_info, placements[i][0],
+                              f"{type(slots[i][0][0]).__name__}.{names[i]}", slots[i],
                               pin_memory=_init.pin_offloaded(offload_policy))
-            for p, s in zip(params, slots)
+            for i in members
         ]
-        group = _C.FsdpParamGroup(fsdp_params, info.shard_group, info.replicate_group)
-        if post_forward_mesh is not None:
+        group = _C.FsdpParamGroup(fsdp_params, group_info.shard_group,
+                                  group_info.replicate_group)
+        if group_post_forward_mesh is not None:
             group.set_reshard_after_forward(
-                True, post_forward_mesh.get_group(1),
-                _init.post_forward_specs(fsdp_params, post_forward_mesh),
+                True, group_post_forward_mesh.get_group(1),
+                _init.post_forward_specs(fsdp_params, group_post_forward_mesh),
             )
         else:
-            group.set_reshard_after_forward(reshard)
-        state._fsdp_param_group = group
-        state._orig_param_uids = [_init.orig_param_uid(p) for p in params]
+            group.set_reshard_after_forward(group_reshard)
+        state._fsdp_param_groups.append(group)
+        state._orig_param_uids += [_init.orig_param_uid(params[i]) for i in members]
+    if state._fsdp_param_groups:
         _register_state_dict_hooks(state, slots)
     for m in managed:
         m._is_fsdp_managed_module = True
@@ -93,17 +112,19 @@ def _unsupported_deepcopy(*args, **kwargs):
 
 def _register_state_dict_hooks(state: FSDPState, slots) -> None:
     """state_dict() and load_state_dict() always see the sharded DTensors;
-    load_state_dict(assign=True) swaps parameter objects, which the group
-    re-reads afterwards."""
-    group = state._fsdp_param_group
+    load_state_dict(assign=True) swaps parameter objects, which the groups
+    re-read afterwards."""
+    groups = list(state._fsdp_param_groups)
     owners = {id(s[0][0]): s[0][0] for s in slots}
 
     def to_sharded(*args, **kwargs):
-        group.to_sharded()
+        for group in groups:
+            group.to_sharded()
 
     def reread(*args, **kwargs):
         with torch.no_grad():
-            group.reset_sharded_params()
+            for group in groups:
+                group.reset_sharded_params()
 
     for module in owners.values():
         module.register_state_dict_pre_hook(to_sharded)
@@ -117,23 +138,26 @@ def _fsdp_modules(module: nn.Module, recurse: bool):
 
 
 def _set_group_option(module: nn.Module, name: str, value, recurse: bool) -> None:
-    """Sets a C++ group knob on ``module``'s group (and its FSDP submodules')."""
+    """Sets a C++ group knob on ``module``'s groups (and its FSDP submodules')."""
     for m in _fsdp_modules(module, recurse):
-        group = m._group()
-        if group is not None:
+        for group in m._groups():
             setattr(group, name, value)
 
 
-class FSDPModule:
-    """Mixed into every module fully_shard was applied to (class swap)."""
+class FSDPModule(UpstreamFSDPModule):
+    """Mixed into every module fully_shard was applied to (class swap).
 
-    def __new__(cls, *args, **kwargs):
-        # Constructing an FSDP class (e.g. Sequential slicing) builds the
-        # original class: index 0 is this FSDP class, 1 FSDPModule, 2 the original.
-        orig_cls = cls.__mro__[2]
-        self = orig_cls.__new__(orig_cls, *args, **kwargs)
-        self.__init__(*args, **kwargs)
-        return self
+    A subclass of upstream's ``torch.distributed.fsdp.FSDPModule``, so the
+    checks frameworks make (``isinstance(m, FSDPModule)``) and upstream's
+    functions that take FSDP modules (``share_comm_ctx``,
+    ``register_fsdp_forward_method``) accept ours. Every method upstream's
+    class defines is defined here again over our state: none of upstream's
+    bodies runs on our modules (test_drop_in.py checks that)."""
+
+    # Upstream's __new__ builds the original class when an FSDP class is
+    # constructed (e.g. Sequential slicing); it finds it at this index of the
+    # MRO: FSDP<Orig>, this class, upstream's FSDPModule, Orig.
+    _orig_cls_mro_index: int = 3
 
     def _get_fsdp_state(self) -> FSDPState:
         state = get_fsdp_state(self)
@@ -141,24 +165,38 @@ class FSDPModule:
             raise AssertionError(f"No FSDP state found on {self}")
         return state
 
+    def _groups(self) -> list:
+        return self._get_fsdp_state()._fsdp_param_groups
+
     def _group(self):
+        """The module's only group, None without parameters (AssertionError
+        when shard_placement_fn made several: use _groups())."""
         return self._get_fsdp_state()._fsdp_param_group
+
+    def _single_group_setting(self, method: str):
+        groups = self._groups()
+        if len(groups) > 1:
+            raise ValueError(
+                f"{method} is not supported with multiple param groups (from per-param mesh via "
+                f"shard_placement_fn): {len(groups)} groups on {type(self).__name__}"
+            )
+        return groups[0] if groups else None
 
     def reshard(self) -> None:
         """Frees the unsharded parameters and registers the sharded ones."""
-        group = self._group()
-        if group is not None:
+        for group in self._groups():
             group.reshard()
 
-    def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gathers the parameters; with async_op, returns a handle whose
         wait() finishes the unshard, else waits before returning."""
         state = self._get_fsdp_state()
-        group = state._fsdp_param_group
-        if group is not None:
+        groups = list(state._fsdp_param_groups)
+        if groups:
             state._lazy_init_group()
+        for group in groups:
             group.unshard()
-        handle = _UnshardHandleImpl(group)
+        handle = _UnshardHandleImpl(groups)
         if async_op:
             return handle
         handle.wait()
@@ -185,8 +223,8 @@ class FSDPModule:
         for m in _fsdp_modules(self, recurse):
             state = m._get_fsdp_state()
             state._auto_reshard_after_forward = False
-            if state._fsdp_param_group is not None:
-                state._fsdp_param_group.set_reshard_after_forward(reshard_after_forward)
+            for group in state._fsdp_param_groups:
+                group.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         _set_group_option(self, "reshard_after_backward", reshard_after_backward, recurse)
@@ -238,7 +276,7 @@ class FSDPModule:
     def set_custom_all_gather(self, comm) -> None:
         """Upstream's ``AllGather`` Comm object gathers this group's
         parameters (its ``allocate`` makes the output buffer)."""
-        group = self._group()
+        group = self._single_group_setting("set_custom_all_gather")
         if group is not None:
             group.set_custom_all_gather(comm)
 
@@ -246,32 +284,31 @@ class FSDPModule:
         """Upstream's ``ReduceScatter`` Comm object reduces this group's
         gradients. It is called with ``op=ReduceOp.SUM``: the division by the
         world size happens around it (as with gloo, which has no AVG)."""
-        group = self._group()
+        group = self._single_group_setting("set_custom_reduce_scatter")
         if group is not None:
             group.set_custom_reduce_scatter(comm)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
         """``hook(reduce_output)`` runs on each reduction's output, in place:
         after the reduce-scatter (FSDP) or the replicas' all-reduce (HSDP),
-        before the final divide and the cast to the parameters' dtype."""
-        state = self._get_fsdp_state()
-        group = state._fsdp_param_group
-        if stream is not None:
-            if group is not None and group.replicate_group is not None:
-                raise ValueError("stream cannot be set when using native HSDP")
-            raise NotImplementedError(
-                "torch_fsdp_ext FSDPModule.set_all_reduce_hook: stream= is for CUDA meshes; "
-                "on a CPU mesh the hook runs in line with the reduction (pass no stream)"
-            )
-        if group is not None:
-            group.set_all_reduce_hook(hook)
+        before the final divide and the cast to the parameters' dtype.
+
+        ``stream``: as upstream's, refused under native HSDP. On a CPU mesh
+        streams order nothing (upstream runs the hook under
+        ``torch.cpu.stream(stream)``, which does nothing), so the hook runs
+        in line with the reduction either way."""
+        group = self._single_group_setting("set_all_reduce_hook")
+        if group is None:
+            return
+        group.set_all_reduce_hook(hook)
+        if stream is not None and group.replicate_group is not None:
+            raise ValueError("stream cannot be set when using native HSDP")
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """All-gather outputs and reduce-scatter buffers come from the process
         group's allocator where its backend has one (fsdp_ext on one host:
         peers read them in place, no staging copy); else ordinary memory."""
-        group = self._group()
-        if group is not None and group.has_custom_comm:
+        if any(group.has_custom_comm for group in self._groups()):
             raise AssertionError(
                 "cannot call set_allocate_memory_from_process_group() when a custom all-gather "
                 "or reduce-scatter comm is set"
@@ -294,10 +331,10 @@ class FSDPModule:
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         self.reshard()
-        out = super()._apply(*args, **kwargs)
-        group = self._group()
-        if group is not None:
-            with torch.no_grad():
+        # nn.Module's _apply, past upstream's (which reads upstream's state).
+        out = super(UpstreamFSDPModule, self)._apply(*args, **kwargs)
+        with torch.no_grad():
+            for group in self._groups():
                 group.reset_sharded_params()
         return out
 
@@ -308,9 +345,8 @@ class FSDPModule:
         so they progress apart from the all-gathers; False: back to the
         shard group."""
         new_groups: dict = {}
-        for module in _fsdp_modules(self, recurse):
-            group = module._group()
-            if group is None or group.shard_group is None:
+        for group in (g for module in _fsdp_modules(self, recurse) for g in module._groups()):
+            if group.shard_group is None:
                 continue
             if not enable:
                 group.set_reduce_scatter_group(None)
@@ -336,38 +372,40 @@ def share_comm_ctx(modules: list) -> None:
     before their first forward, as upstream's."""
     if not modules:
         return
-    for module in modules:
-        if not isinstance(module, FSDPModule):
-            raise ValueError(f"Expects list of FSDPModules but got {module}")
+    _check_fsdp_modules(modules, "Expects list of FSDPModules but got")
     states = [module._get_fsdp_state() for module in modules]
     shared = states[0]._comm_ctx
     for state in states[1:]:
         state._comm_ctx = shared
-        if state._fsdp_param_group is not None:
-            state._fsdp_param_group.comm_context = shared
+        for group in state._fsdp_param_groups:
+            group.comm_ctx = shared
 
 
-def _check_fsdp_modules(modules) -> None:
+def _check_fsdp_modules(modules, what: str = "Expects FSDPModule but got") -> None:
     for module in modules:
-        if not isinstance(module, FSDPModule):
-            raise ValueError(f"Expects FSDPModule but got {type(module)}: {module}")
-
-
-class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``."""
-
-    def wait(self) -> None:
-        return
+        if isinstance(module, FSDPModule):
+            continue
+        if isinstance(module, UpstreamFSDPModule):
+            # Two runtimes cannot share prefetch order or a comm context.
+            raise ValueError(
+                f"{what} {type(module)}: sharded by torch.distributed.fsdp.fully_shard, not "
+                "torch_fsdp_ext's (use one fully_shard for the whole model, e.g. through "
+                "torch_fsdp_ext.use_as_fully_shard())"
+            )
+        raise ValueError(f"{what} {type(module)}: {module}")
 
 
 class _UnshardHandleImpl(UnshardHandle):
-    def __init__(self, group) -> None:
-        self._group = group
+    """Returned by ``FSDPModule.unshard(async_op=True)``; a subclass of
+    upstream's UnshardHandle, which ours exports as its own."""
+
+    def __init__(self, groups: list) -> None:
+        self._groups = groups
 
     def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
+        for group in self._groups:
+            group.wait_for_unshard()
+        self._groups = []
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -48,20 +48,30 @@ class RegisterPostBackwardFunction(torch.autograd.Function):
     module's backward, which is when the group's gradients are complete."""
 
     @staticmethod
-    def forward(ctx, group, *inputs: torch.Tensor):
+    def forward(ctx, state, group, *inputs: torch.Tensor):
+        ctx.state = state
         ctx.group = group
         return inputs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         ctx.group.post_backward()
-        return (None,) + grads
+        # Note [end of backward for a partial grouped forward]: a module of
+        # fully_shard([a, b]) called on its own (a chunked loss, or after the
+        # group's forward and backward have finished) takes the partial
+        # post-forward path, which registers no pre-backward hook; without
+        # this, nothing would complete the reduction its post_backward issued.
+        ctx.state._queue_final_callback()
+        return (None, None) + grads
 
 
 class FSDPState(_State):
     def __init__(self) -> None:
         super().__init__()
-        self._fsdp_param_group: Optional[_C.FsdpParamGroup] = None
+        # One C++ group per process group of the parameters (several when
+        # shard_placement_fn puts some of them on another mesh), in the order
+        # fully_shard made them.
+        self._fsdp_param_groups: list[_C.FsdpParamGroup] = []
         self._is_root: Optional[bool] = None
         self._state_ctx = StateContext()
         self._comm_ctx = _C.FsdpCommContext()
@@ -78,9 +88,16 @@ class FSDPState(_State):
         self._orig_param_uids: list[int] = []
 
     @property
-    def _fsdp_param_groups(self) -> list:
-        group = self._fsdp_param_group
-        return [] if group is None else [group]
+    def _fsdp_param_group(self) -> Optional[_C.FsdpParamGroup]:
+        """The one group of a state that has at most one (upstream's accessor)."""
+        groups = self._fsdp_param_groups
+        if len(groups) > 1:
+            raise AssertionError(
+                f"FSDP state has {len(groups)} parameter groups (a mesh per parameter via "
+                f"shard_placement_fn; modules: {', '.join(g.module_fqn for g in groups)}): "
+                "use _fsdp_param_groups"
+            )
+        return groups[0] if groups else None
 
     # Set-up ------------------------------------------------------------------
 
@@ -149,20 +166,21 @@ class FSDPState(_State):
                 state._is_root = False
             seen.add(id(state))
             ctx.all_states.append(state)
-        if self._auto_reshard_after_forward and self._fsdp_param_group is not None:
+        if self._auto_reshard_after_forward:
             # The root's parameters are needed first in backward: keep them.
-            self._fsdp_param_group.set_reshard_after_forward(False)
+            for group in self._fsdp_param_groups:
+                group.set_reshard_after_forward(False)
         self._init_fqns(root)
         self._validate_no_duplicate_params()
         for state in ctx.all_states:
             state._state_ctx = ctx
             state._comm_ctx = self._comm_ctx
-            if state._fsdp_param_group is not None:
-                state._fsdp_param_group.comm_context = self._comm_ctx
+            for group in state._fsdp_param_groups:
+                group.comm_ctx = self._comm_ctx
         # One queue of reductions, so one cap: the most any group allows.
         self._comm_ctx.max_reduces_in_flight = max(
-            (s._fsdp_param_group.reduce_scatter_max_input_buffers
-             for s in ctx.all_states if s._fsdp_param_group is not None), default=1)
+            (g.reduce_scatter_max_input_buffers
+             for s in ctx.all_states for g in s._fsdp_param_groups), default=1)
         for state in ctx.all_states:
             state._lazy_init_group()
 
@@ -170,42 +188,40 @@ class FSDPState(_State):
         param_to_fqn = {id(p): n for n, p in root.named_parameters()}
         module_to_fqn = {id(m): n for n, m in root.named_modules()}
         for state in self._state_ctx.all_states:
-            group = state._fsdp_param_group
-            if group is None:
-                continue
-            group.module_fqn = ", ".join(
-                module_to_fqn[id(m)] for m in state._modules if id(m) in module_to_fqn
-            )
-            for param in group.params:
-                param.fqn = param_to_fqn.get(id(param.sharded_param), param.fqn)
+            for group in state._fsdp_param_groups:
+                group.module_fqn = ", ".join(
+                    module_to_fqn[id(m)] for m in state._modules if id(m) in module_to_fqn
+                )
+                for param in group.params:
+                    param.fqn = param_to_fqn.get(id(param.sharded_param), param.fqn)
 
     def _set_prefetch(self, modules: list, forward: bool) -> None:
         """set_modules_to_forward_prefetch / _backward_prefetch: the targets'
         groups go to this state's C++ group, which issues the prefetches."""
-        targets = [m._get_fsdp_state()._fsdp_param_group for m in modules]
-        targets = [t for t in targets if t is not None]
-        group = self._fsdp_param_group
-        if group is None:
+        targets = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
+        groups = self._fsdp_param_groups
+        if not groups:
             if forward:
                 self._groupless_forward_prefetch = targets
             else:
                 self._groupless_backward_prefetch = targets
-        elif forward:
-            group.set_forward_prefetch(targets)
-        else:
+            return
+        # The first group issues the prefetches (once per pass of the state).
+        if forward:
+            groups[0].set_forward_prefetch(targets)
+            return
+        for i, group in enumerate(groups):
             # Naming modules turns the implicit prefetch off, as upstream's,
             # even if none of them has parameters.
-            group.set_backward_prefetch(targets, bool(modules))
+            group.set_backward_prefetch(targets if i == 0 else [], bool(modules))
 
     def _validate_no_duplicate_params(self) -> None:
         """A parameter tied between two fully_shard calls would be sharded,
         gathered and reduced twice, its gradient split between two copies."""
         seen: set[int] = set()
         for state in self._state_ctx.all_states:
-            group = state._fsdp_param_group
-            if group is None:
-                continue
-            for param, uid in zip(group.params, state._orig_param_uids):
+            params = [p for group in state._fsdp_param_groups for p in group.params]
+            for param, uid in zip(params, state._orig_param_uids):
                 if uid in seen:
                     raise ValueError(
                         f"Parameter '{param.fqn}' is shared with a parameter already managed "
@@ -215,14 +231,15 @@ class FSDPState(_State):
                 seen.add(uid)
 
     def _lazy_init_group(self) -> None:
-        group = self._fsdp_param_group
-        if group is None or self._group_initialized:
+        groups = self._fsdp_param_groups
+        if not groups or self._group_initialized:
             return
-        with torch.no_grad():
-            group.reset_sharded_params()
         policy = self._mp_policy
-        group.init_mp_dtypes(policy.param_dtype, policy.reduce_dtype)
-        on_meta = [p.fqn for p in group.params if p.is_meta]
+        for group in groups:
+            with torch.no_grad():
+                group.reset_sharded_params()
+            group.init_mp_dtypes(policy.param_dtype, policy.reduce_dtype)
+        on_meta = [p.fqn for group in groups for p in group.params if p.is_meta]
         if on_meta:
             raise RuntimeError(
                 "FSDP parameters should be materialized from meta device before training, "
@@ -231,20 +248,22 @@ class FSDPState(_State):
                 "call module.reset_parameters() on each module to initialize values."
             )
         if isinstance(self._offload_policy, CPUOffloadPolicy):
-            _init.validate_offloaded_on_cpu(group)
+            for group in groups:
+                _init.validate_offloaded_on_cpu(group)
         self._group_initialized = True
 
     # Forward -----------------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        group = self._fsdp_param_group
+        groups = self._fsdp_param_groups
         if self._training_state is TrainingState.PRE_BACKWARD:
             # Activation-checkpoint recomputation inside backward: parameters
             # must be unsharded (a later module's post_backward may have
             # resharded them), nothing else.
-            if group is not None and group.sharded_state != ShardedState.UNSHARDED:
-                group.unshard()
-                group.wait_for_unshard()
+            for group in groups:
+                if group.sharded_state != ShardedState.UNSHARDED:
+                    group.unshard()
+                    group.wait_for_unshard()
             return _cast_floating((args, kwargs), self._input_dtype)
         first_in_pass = self._training_state is not TrainingState.FORWARD
         self._training_state = TrainingState.FORWARD
@@ -255,13 +274,13 @@ class FSDPState(_State):
         # Cast before the post-backward hook wraps the inputs, so that it sees
         # the gradients of the tensors the module really receives.
         args, kwargs = _cast_floating((args, kwargs), self._input_dtype)
-        if group is not None:
+        for group in groups:
             entering = group.training_state != _FORWARD
             group.pre_forward()
             if entering and torch.is_grad_enabled():
-                args, kwargs = _register_post_backward(group, args, kwargs)
+                args, kwargs = _register_post_backward(self, group, args, kwargs)
         if first_in_pass:
-            if group is not None:
+            for group in groups:
                 group.prefetch_forward_targets()
             for target in self._groupless_forward_prefetch:
                 target.prefetch_unshard(_FORWARD)
@@ -270,8 +289,7 @@ class FSDPState(_State):
     def _post_forward(self, module: nn.Module, input: Any, output: Any):
         if self._training_state is TrainingState.PRE_BACKWARD:
             return _cast_floating(output, self._output_dtype)
-        group = self._fsdp_param_group
-        if group is not None:
+        for group in self._fsdp_param_groups:
             group.post_forward(_inside_backward())
         output = self._register_pre_backward_hook(output)
         self._training_state = TrainingState.IDLE
@@ -286,8 +304,8 @@ class FSDPState(_State):
         for state in reversed(self._state_ctx.all_states):
             if state is self or not state._modules_to_run_forward:
                 continue
-            if state._fsdp_param_group is not None:
-                state._fsdp_param_group.post_forward(_inside_backward())
+            for group in state._fsdp_param_groups:
+                group.post_forward(_inside_backward())
             output = state._register_pre_backward_hook(output)
             state._training_state = TrainingState.IDLE
             output = _cast_floating(output, state._output_dtype)
@@ -305,14 +323,18 @@ class FSDPState(_State):
 
     # Backward ----------------------------------------------------------------
 
-    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        self._training_state = TrainingState.PRE_BACKWARD
+    def _queue_final_callback(self) -> None:
+        """Once per backward: the end-of-backward callback of the states
+        sharing this state's contexts."""
         ctx = self._state_ctx
         if not ctx.post_backward_final_callback_queued:
             ctx.post_backward_final_callback_queued = True
             Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
-        group = self._fsdp_param_group
-        if group is not None:
+
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        self._training_state = TrainingState.PRE_BACKWARD
+        self._queue_final_callback()
+        for group in self._fsdp_param_groups:
             group.pre_backward()
         for target in self._groupless_backward_prefetch:
             target.prefetch_unshard(_PRE_BACKWARD)
@@ -327,8 +349,9 @@ class FSDPState(_State):
             ctx.iter_forward_root = None
             for state in ctx.all_states:
                 state._modules_to_run_forward.clear()
-                if state._fsdp_param_group is not None:
-                    state._fsdp_param_group.finish_backward(ctx.is_last_backward)
+                # The last group first: autograd's order within one module.
+                for group in reversed(state._fsdp_param_groups):
+                    group.finish_backward(ctx.is_last_backward)
                 state._training_state = TrainingState.IDLE
             self._comm_ctx.finish_backward(ctx.is_last_backward)
         finally:
@@ -342,8 +365,8 @@ class FSDPState(_State):
         for state in ctx.all_states or [self]:
             state._modules_to_run_forward.clear()
             state._training_state = TrainingState.IDLE
-            if state._fsdp_param_group is not None:
-                state._fsdp_param_group.reset_iter_state()
+            for group in state._fsdp_param_groups:
+                group.reset_iter_state()
         self._comm_ctx.finish_backward(True)
         ctx.iter_forward_root = None
         ctx.post_backward_final_callback_queued = False
@@ -363,13 +386,13 @@ def _cast_floating(tree: Any, dtype: Optional[torch.dtype]) -> Any:
     return tree_map_only(torch.Tensor, cast, tree)
 
 
-def _register_post_backward(group, args: tuple, kwargs: dict):
+def _register_post_backward(state, group, args: tuple, kwargs: dict):
     if not kwargs and all(type(a) is torch.Tensor for a in args):
         # The common case, a few plain tensors: no pytree round trip.
         if not any(a.requires_grad for a in args):
             return args, kwargs
         grad_args = [a for a in args if a.requires_grad]
-        outs = iter(RegisterPostBackwardFunction.apply(group, *grad_args))
+        outs = iter(RegisterPostBackwardFunction.apply(state, group, *grad_args))
         return tuple(next(outs) if a.requires_grad else a for a in args), kwargs
     leaves, spec = tree_flatten((args, kwargs))
     positions = [
@@ -377,7 +400,7 @@ def _register_post_backward(group, args: tuple, kwargs: dict):
     ]
     if not positions:
         return args, kwargs
-    outputs = RegisterPostBackwardFunction.apply(group, *(leaves[i] for i in positions))
+    outputs = RegisterPostBackwardFunction.apply(state, group, *(leaves[i] for i in positions))
     for i, out in zip(positions, outputs):
         leaves[i] = out
     return tree_unflatten(leaves, spec)

@@ -1,7 +1,9 @@
 """Our FSDP2: ``fully_shard`` with the parameter-group state machines in C++.
 
-Same public API as ``torch.distributed.fsdp``; the policy classes are torch's
-own, so code written for upstream passes them unchanged.
+Same public API as ``torch.distributed.fsdp``; the policy classes and
+``UnshardHandle`` are torch's own, so code written for upstream passes them
+unchanged, and our ``FSDPModule`` is a subclass of upstream's.
+``use_as_fully_shard()`` makes ``torch.distributed.fsdp.fully_shard`` ours.
 """
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -13,12 +15,14 @@ from ._module import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
+from ._routing import FullyShardRouting, use_as_fully_shard
 from ._trace import FSDPEvent, ShardedState, TrainingState, trace_fsdp_events
 
 __all__ = [
     "CPUOffloadPolicy",
     "FSDPEvent",
     "FSDPModule",
+    "FullyShardRouting",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ShardedState",
@@ -28,4 +32,5 @@ __all__ = [
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "trace_fsdp_events",
+    "use_as_fully_shard",
 ]

@@ -1,0 +1,257 @@
+"""torch_fsdp_ext as a drop-in for the ecosystem: our sharded modules are
+instances of upstream's ``torch.distributed.fsdp.FSDPModule``, upstream's
+public functions that take FSDP modules accept them, and
+``use_as_fully_shard()`` makes ``torch.distributed.fsdp.fully_shard`` ours
+until undone (nothing is routed on import).
+
+Routing rebinds module globals in the worker processes: every check undoes it
+in ``finally``, so a failure cannot leak into the next test on the pool.
+"""
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from conftest import get_pool
+from fsdp_testing import IMPLS, TinyLM, fsdp_api, lm_batch, lm_loss
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _shard_lm(fully_shard, mesh):
+    torch.manual_seed(0)
+    model = TinyLM()
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _train(model, rank, steps=3, forward=None):
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        tokens, targets = lm_batch(rank, step)
+        logits = (forward or model)(tokens)
+        loss = lm_loss(logits, targets)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+# --------------------------------------------------------------------------
+# The class
+
+
+def check_module_class(ctx):
+    import torch.distributed._composable.fsdp as composable
+    import torch.distributed.fsdp as upstream
+
+    import torch_fsdp_ext
+
+    mesh = _mesh()
+    model = _shard_lm(torch_fsdp_ext.fully_shard, mesh)
+    grouped = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    torch_fsdp_ext.fully_shard([grouped[0], grouped[2]], mesh=mesh)
+    for module in [model, *model.layers, grouped[0], grouped[2]]:
+        assert isinstance(module, upstream.FSDPModule), type(module).__mro__
+        assert isinstance(module, composable.FSDPModule), type(module).__mro__
+        assert isinstance(module, torch_fsdp_ext.FSDPModule), type(module).__mro__
+    assert not isinstance(grouped, upstream.FSDPModule)
+
+    # Every method upstream's class defines is ours again, so no upstream
+    # body (which reads upstream's private state) runs on our modules.
+    # __new__ is the exception: upstream's, steered by _orig_cls_mro_index.
+    ours = vars(torch_fsdp_ext.FSDPModule)
+    upstream_methods = {name for name, value in vars(upstream.FSDPModule).items()
+                        if callable(value) and name != "__new__"}
+    assert upstream_methods, "found no methods on upstream's FSDPModule"
+    missing = sorted(name for name in upstream_methods if name not in ours)
+    assert not missing, f"upstream FSDPModule methods not defined by ours: {missing}"
+
+    # Upstream's __new__ builds the original class when an FSDP class is
+    # constructed (slicing a sharded Sequential), finding it by our index.
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    torch_fsdp_ext.fully_shard(seq, mesh=mesh)
+    assert type(seq[0:1]) is nn.Sequential, type(seq[0:1])
+
+    handle = model.layers[0].unshard(async_op=True)
+    assert isinstance(handle, upstream.UnshardHandle), type(handle)
+    handle.wait()
+    model.layers[0].reshard()
+    return True
+
+
+def test_sharded_modules_are_upstream_fsdp_modules():
+    assert get_pool(2).run(check_module_class) == [True, True]
+
+
+# --------------------------------------------------------------------------
+# Upstream's public functions on our modules
+
+
+class Scorer(nn.Module):
+    """A model used through a method other than forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = TinyLM()
+
+    def forward(self, tokens):
+        return self.lm(tokens)
+
+    def score(self, tokens):
+        return self.lm(tokens) * 0.5
+
+
+def check_upstream_functions(ctx, impl):
+    """Upstream's register_fsdp_forward_method and share_comm_ctx applied to
+    ``impl``'s modules; the losses of training through the registered method."""
+    import torch.distributed.fsdp as upstream
+
+    api = fsdp_api(impl)
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = Scorer()
+    for block in model.lm.layers:
+        api.fully_shard(block, mesh=mesh)
+    api.fully_shard(model, mesh=mesh)
+    upstream.register_fsdp_forward_method(model, "score")
+    losses = _train(model, ctx.rank, forward=model.score)
+
+    # Two roots (pipeline stages) sharing one comm context.
+    stages = [api.fully_shard(nn.Linear(8, 8), mesh=mesh) for _ in range(2)]
+    upstream.share_comm_ctx(stages)
+    states = [stage._get_fsdp_state() for stage in stages]
+    assert states[1]._comm_ctx is states[0]._comm_ctx
+    for group in states[1]._fsdp_param_groups:
+        assert group.comm_ctx is states[0]._comm_ctx
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(ctx.rank))
+    stages[1](stages[0](x)).sum().backward()
+    grads = [p.grad.full_tensor() for stage in stages for p in stage.parameters()]
+    return losses, grads
+
+
+def test_upstream_functions_accept_our_modules():
+    per_rank = {impl: get_pool(2).run(check_upstream_functions, impl) for impl in IMPLS}
+    for rank in range(2):
+        ours_losses, ours_grads = per_rank["ours"][rank]
+        up_losses, up_grads = per_rank["upstream"][rank]
+        assert ours_losses == up_losses, (rank, ours_losses, up_losses)
+        assert all(torch.equal(a, b) for a, b in zip(ours_grads, up_grads)), rank
+
+
+def check_mixing_refused(ctx):
+    import torch.distributed.fsdp as upstream
+
+    import torch_fsdp_ext
+
+    mesh = _mesh()
+    ours = torch_fsdp_ext.fully_shard(nn.Linear(4, 4), mesh=mesh)
+    theirs = upstream.fully_shard(nn.Linear(4, 4), mesh=mesh)
+    messages = []
+    for call in (lambda: torch_fsdp_ext.share_comm_ctx([ours, theirs]),
+                 lambda: ours.set_modules_to_forward_prefetch([theirs])):
+        with pytest.raises(ValueError) as info:
+            call()
+        messages.append(str(info.value))
+    return messages
+
+
+def test_modules_of_upstreams_runtime_are_refused_by_ours_with_a_clear_error():
+    for messages in get_pool(2).run(check_mixing_refused):
+        for message in messages:
+            assert "torch.distributed.fsdp.fully_shard, not torch_fsdp_ext's" in message, message
+
+
+# --------------------------------------------------------------------------
+# use_as_fully_shard
+
+
+_FRAMEWORK = "fake_framework_imported_before_routing"
+
+
+def _framework_shard(model, mesh):
+    """A framework's FSDP2 path: it names torch's fully_shard at call time."""
+    import torch.distributed.fsdp
+
+    for block in model.layers:
+        torch.distributed.fsdp.fully_shard(block, mesh=mesh)
+    torch.distributed.fsdp.fully_shard(model, mesh=mesh)
+
+
+def check_routing(ctx):
+    import torch.distributed._composable.fsdp as composable
+    import torch.distributed.fsdp as upstream
+    import torch.distributed.fsdp._fully_shard._fully_shard as upstream_impl
+
+    import torch_fsdp_ext
+
+    upstream_fn = upstream.fully_shard
+    ours_fn = torch_fsdp_ext.fully_shard
+    composable_module = sys.modules["torch.distributed._composable.fsdp.fully_shard"]
+    # A framework that ran `from torch.distributed.fsdp import fully_shard`
+    # before the routing.
+    framework = types.ModuleType(_FRAMEWORK)
+    framework.fully_shard = upstream_fn
+    framework.shard = upstream_fn  # under another name, too
+    sys.modules[_FRAMEWORK] = framework
+    mesh = _mesh()
+    routing = torch_fsdp_ext.use_as_fully_shard()
+    try:
+        assert upstream_fn is not ours_fn
+        for where, fn in [("torch.distributed.fsdp", upstream.fully_shard),
+                          ("torch.distributed._composable.fsdp", composable.fully_shard),
+                          ("its fully_shard module", composable_module.fully_shard),
+                          ("framework.fully_shard", framework.fully_shard),
+                          ("framework.shard", framework.shard)]:
+            assert fn is ours_fn, where
+        # Upstream's own module keeps its function (its body reads it).
+        assert upstream_impl.fully_shard is upstream_fn
+
+        # Nested routings: upstream's comes back when the last one ends.
+        with torch_fsdp_ext.use_as_fully_shard() as inner:
+            assert inner.active and upstream.fully_shard is ours_fn
+        assert not inner.active and upstream.fully_shard is ours_fn
+
+        torch.manual_seed(0)
+        model = TinyLM()
+        _framework_shard(model, mesh)
+        for module in [model, *model.layers]:
+            assert isinstance(module, torch_fsdp_ext.FSDPModule), type(module).__mro__
+            # fully_shard.state through torch's name finds our state.
+            assert upstream.fully_shard.state(module) is module._get_fsdp_state()
+        routed_losses = _train(model, ctx.rank)
+    finally:
+        routing.undo()
+        del sys.modules[_FRAMEWORK]
+    assert not routing.active
+    routing.undo()  # again: nothing
+    for where, fn in [("torch.distributed.fsdp", upstream.fully_shard),
+                      ("torch.distributed._composable.fsdp", composable.fully_shard),
+                      ("its fully_shard module", composable_module.fully_shard),
+                      ("framework.fully_shard", framework.fully_shard),
+                      ("framework.shard", framework.shard)]:
+        assert fn is upstream_fn, where
+
+    model = TinyLM()
+    _framework_shard(model, mesh)
+    assert not isinstance(model, torch_fsdp_ext.FSDPModule)
+    direct_losses = _train(_shard_lm(ours_fn, mesh), ctx.rank)
+    upstream_losses = _train(_shard_lm(upstream_fn, mesh), ctx.rank)
+    return routed_losses, direct_losses, upstream_losses
+
+
+def test_use_as_fully_shard_routes_torch_names_until_undone():
+    for rank, (routed, direct, upstream) in enumerate(get_pool(2).run(check_routing)):
+        assert routed == direct == upstream, (rank, routed, direct, upstream)

@@ -74,7 +74,14 @@ build: venv
 	@echo "$(CURDIR)" > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch_fsdp_ext_dev.pth
 	$(PY) -c "import torch_fsdp_ext, torch.distributed as d; assert 'fsdp_ext' in d.Backend.backend_list; print('torch_fsdp_ext built for torch', __import__('torch').__version__)"
 
-test: build cpp-test
+# Test-only packages: Lightning Fabric, whose FSDP2 strategy
+# test/test_framework_fabric.py trains with. --no-deps, each dependency named,
+# so that pip can never pull another torch.
+$(VENV)/.test-deps: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps lightning-fabric==2.6.6 lightning-utilities==0.15.3 fsspec==2026.9.0
+	touch $@
+
+test: build cpp-test $(VENV)/.test-deps
 	$(PY) -m pytest test -q -p no:cacheprovider
 
 demo: build

@@ -206,15 +206,20 @@ def check_routing(ctx):
     framework.fully_shard = upstream_fn
     framework.shard = upstream_fn  # under another name, too
     sys.modules[_FRAMEWORK] = framework
+
+    def names():
+        """Where code finds fully_shard by name, and what each holds now."""
+        return {"torch.distributed.fsdp": upstream.fully_shard,
+                "torch.distributed._composable.fsdp": composable.fully_shard,
+                "its fully_shard module": composable_module.fully_shard,
+                "framework.fully_shard": framework.fully_shard,
+                "framework.shard": framework.shard}
+
     mesh = _mesh()
     routing = torch_fsdp_ext.use_as_fully_shard()
     try:
         assert upstream_fn is not ours_fn
-        for where, fn in [("torch.distributed.fsdp", upstream.fully_shard),
-                          ("torch.distributed._composable.fsdp", composable.fully_shard),
-                          ("its fully_shard module", composable_module.fully_shard),
-                          ("framework.fully_shard", framework.fully_shard),
-                          ("framework.shard", framework.shard)]:
+        for where, fn in names().items():
             assert fn is ours_fn, where
         # Upstream's own module keeps its function (its body reads it).
         assert upstream_impl.fully_shard is upstream_fn
@@ -237,11 +242,7 @@ def check_routing(ctx):
         del sys.modules[_FRAMEWORK]
     assert not routing.active
     routing.undo()  # again: nothing
-    for where, fn in [("torch.distributed.fsdp", upstream.fully_shard),
-                      ("torch.distributed._composable.fsdp", composable.fully_shard),
-                      ("its fully_shard module", composable_module.fully_shard),
-                      ("framework.fully_shard", framework.fully_shard),
-                      ("framework.shard", framework.shard)]:
+    for where, fn in names().items():
         assert fn is upstream_fn, where
 
     model = TinyLM()

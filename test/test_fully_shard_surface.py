@@ -148,6 +148,18 @@ class CountingReduceScatter(CountingAllGather):
                                           async_op=async_op)
 
 
+def _grouped_head_lm(api, mesh):
+    """An LM whose forward ends at the norm, with fully_shard([norm, head])
+    (the head untied from the embedding): the loss applies the head itself."""
+    model = TiedLM()
+    model.head.weight = nn.Parameter(model.head.weight.detach().clone())
+    for layer in (model.body[0], model.body[2]):
+        api.fully_shard(layer, mesh=mesh)
+    api.fully_shard([model.norm, model.head], mesh=mesh)
+    api.fully_shard(model, mesh=mesh)
+    return model
+
+
 def _build(case, api, mesh):
     """(model, loss_fn(model, rank, step), state to report) for `case`."""
     extra = {}
@@ -159,12 +171,7 @@ def _build(case, api, mesh):
         model.set_reduce_scatter_unused_params(True)
         return model, lambda m, r, s: m(_x(r, s), r).pow(2).mean(), extra
     if case == "chunked_head":
-        model = TiedLM()
-        model.head.weight = nn.Parameter(model.head.weight.detach().clone())
-        for layer in (model.body[0], model.body[2]):
-            api.fully_shard(layer, mesh=mesh)
-        api.fully_shard([model.norm, model.head], mesh=mesh)
-        api.fully_shard(model, mesh=mesh)
+        model = _grouped_head_lm(api, mesh)
 
         def chunked(m, r, s):
             tokens, targets = lm_batch(r, s, batch=4)
@@ -175,12 +182,7 @@ def _build(case, api, mesh):
 
         return model, chunked, extra
     if case == "grouped_head_after_backward":
-        model = TiedLM()
-        model.head.weight = nn.Parameter(model.head.weight.detach().clone())
-        for layer in (model.body[0], model.body[2]):
-            api.fully_shard(layer, mesh=mesh)
-        api.fully_shard([model.norm, model.head], mesh=mesh)
-        api.fully_shard(model, mesh=mesh)
+        model = _grouped_head_lm(api, mesh)
 
         def head_again(m, r, s):
             tokens, targets = lm_batch(r, s, batch=4)

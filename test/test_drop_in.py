@@ -247,7 +247,8 @@ def check_routing(ctx):
 
     model = TinyLM()
     _framework_shard(model, mesh)
-    assert not isinstance(model, torch_fsdp_ext.FSDPModule)
+    assert isinstance(model, upstream.FSDPModule), type(model).__mro__
+    assert not isinstance(model, torch_fsdp_ext.FSDPModule), type(model).__mro__
     direct_losses = _train(_shard_lm(ours_fn, mesh), ctx.rank)
     upstream_losses = _train(_shard_lm(upstream_fn, mesh), ctx.rank)
     return routed_losses, direct_losses, upstream_losses
@@ -256,3 +257,52 @@ def check_routing(ctx):
 def test_use_as_fully_shard_routes_torch_names_until_undone():
     for rank, (routed, direct, upstream) in enumerate(get_pool(2).run(check_routing)):
         assert routed == direct == upstream, (rank, routed, direct, upstream)
+
+
+# --------------------------------------------------------------------------
+# torch's pipelining, which branches on FSDPModule and reaches FSDP state
+# through upstream's fully_shard.state
+
+
+def check_pipeline_stages(ctx, impl):
+    """Two pipeline stages (one per rank), each sharded by ``impl`` over its
+    own one-rank data-parallel mesh, trained with GPipe: the schedule turns
+    gradient sync off per micro-batch and reduces in its REDUCE_GRAD action
+    through the state it finds with upstream's fully_shard.state."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    api = fsdp_api(impl)
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)]
+    stage_module = nn.Sequential(*(layers[:2] if ctx.rank == 0 else layers[2:]))
+    api.fully_shard(stage_module, mesh=mesh["dp"])
+    stage = PipelineStage(stage_module, stage_index=ctx.rank, num_stages=2,
+                          device=torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = ScheduleGPipe(stage, n_microbatches=2,
+                             loss_fn=lambda out, target: (out - target).pow(2).mean())
+    optim = torch.optim.SGD(stage_module.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, target = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+        if ctx.rank == 0:
+            schedule.step(x)
+        else:
+            step_losses = []
+            schedule.step(target=target, losses=step_losses)
+            losses.append([loss.item() for loss in step_losses])
+        optim.step()
+        optim.zero_grad()
+    return losses, [p.detach().full_tensor() for p in stage_module.parameters()]
+
+
+def test_pipeline_schedule_with_our_stages_matches_upstream():
+    per_impl = {impl: get_pool(2).run(check_pipeline_stages, impl) for impl in IMPLS}
+    for rank in range(2):
+        ours_losses, ours_params = per_impl["ours"][rank]
+        up_losses, up_params = per_impl["upstream"][rank]
+        assert ours_losses == up_losses, (rank, ours_losses, up_losses)
+        assert all(torch.equal(a, b) for a, b in zip(ours_params, up_params)), rank
+    assert len(per_impl["ours"][1][0]) == 3  # the last stage saw every step's losses

@@ -72,6 +72,7 @@ def fully_shard(
 
     state = fully_shard.state(roots[0])
     state.init(roots, mp_policy, offload_policy, auto_reshard)
+    _expose_state_to_upstream_accessor(roots, state)
     for group_info, members, (group_reshard, group_post_forward_mesh) in plans:
         fsdp_params = [
             _init.shard_param(params[i], group_info, placements[i][0],
@@ -104,6 +105,20 @@ def fully_shard(
             _cls_to_fsdp_cls[cls] = fsdp_cls
         m.__class__ = fsdp_cls
     return module
+
+
+def _expose_state_to_upstream_accessor(roots, state: FSDPState) -> None:
+    """Our modules are upstream FSDPModules, so torch code that holds one asks
+    upstream's ``fully_shard.state(module)`` for its state (pipelining's
+    REDUCE_GRAD action: ``_state_ctx.all_states``, each group's
+    ``post_backward``, ``_root_post_backward_final_callback``, all of which
+    ours has). That accessor reads a per-module dict keyed by upstream's
+    undecorated function: our state is entered there too, beside ours."""
+    from torch.distributed._composable.contract import STATE_KEY
+    from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as upstream
+
+    for module in roots:
+        module.__dict__.setdefault(STATE_KEY, {})[upstream.__wrapped__] = state
 
 
 def _unsupported_deepcopy(*args, **kwargs):

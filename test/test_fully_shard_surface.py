@@ -396,6 +396,58 @@ def test_per_param_mesh_matches_upstream():
     assert per_rank[0]["ours"]["report"]["groups_per_block"] == [2] * len(TinyLM().layers)
 
 
+def _per_param_mesh_errors(ctx, impl):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        HSDPMeshInfo,
+        ShardPlacementResult,
+    )
+    from torch.distributed.tensor import Shard
+
+    def error(call):
+        try:
+            call()
+        except Exception as e:  # the type and first words are compared
+            return f"{type(e).__name__}: {str(e).split(':')[0].split(' is not supported')[0]}"
+        return "no error"
+
+    api = fsdp_api(impl)
+    mesh = make_mesh(ctx, "fsdp_ext", (4,))
+    mesh_2x2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    expert = HSDPMeshInfo(mesh_2x2, shard_mesh_dim=1, replicate_mesh_dim=0)
+    twin = HSDPMeshInfo(mesh_2x2, shard_mesh_dim=1, replicate_mesh_dim=0)  # same groups
+    out = [error(lambda: api.fully_shard(
+        nn.Linear(4, 4), mesh=mesh,
+        shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), expert if p.ndim == 2 else twin)))]
+    model = api.fully_shard(
+        nn.Linear(4, 4), mesh=mesh,
+        shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), expert) if p.ndim == 2 else None)
+    out.append(len(model._get_fsdp_state()._fsdp_param_groups))
+    # The setters that would be ambiguous across meshes refuse several groups.
+    out += [error(lambda: model.set_all_reduce_hook(lambda t: None)),
+            error(lambda: model.set_custom_all_gather(None)),
+            error(lambda: model.set_custom_reduce_scatter(None))]
+    if impl == "ours":
+        # A layout our placements do not describe is refused up front.
+        swapped = HSDPMeshInfo(mesh_2x2, shard_mesh_dim=0, replicate_mesh_dim=1)
+        out.append(error(lambda: api.fully_shard(
+            nn.Linear(4, 4), mesh=mesh,
+            shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), swapped))))
+    return out
+
+
+def test_per_param_mesh_errors_match_upstream():
+    ours = get_pool(4).run(_per_param_mesh_errors, "ours")
+    upstream = get_pool(4).run(_per_param_mesh_errors, "upstream")
+    for rank in range(4):
+        assert ours[rank][:-1] == upstream[rank], (rank, ours[rank], upstream[rank])
+        assert ours[rank][0].startswith("ValueError: Params sharing the same process group")
+        assert ours[rank][1] == 2
+        assert ours[rank][2:5] == ["ValueError: set_all_reduce_hook", "ValueError: set_custom_all_gather",
+                                   "ValueError: set_custom_reduce_scatter"], ours[rank]
+        assert ours[rank][5].startswith("NotImplementedError: torch_fsdp_ext.fully_shard"), ours[rank]
+
+
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["fsdp", "hsdp"])
 def test_force_sum_reduction_matches_upstream(mesh_shape):
     _run_case(4 if len(mesh_shape) == 2 else 2, "fsdp_ext", mesh_shape, "force_sum")

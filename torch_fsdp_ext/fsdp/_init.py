@@ -353,6 +353,15 @@ def _per_param_mesh_info(upstream_info, info: MeshInfo, param, per_param_infos) 
             )
         replicate_dim = (upstream_info.replicate_mesh_dim
                          if isinstance(upstream_info, HSDPMeshInfo) else None)
+        # The layouts MeshInfo.placements() describes: (Shard,) on a 1-D mesh,
+        # (Replicate(), Shard) on a 2-D one.
+        layout = (mesh.ndim, upstream_info.shard_mesh_dim, replicate_dim)
+        if layout not in ((1, 0, None), (2, 1, 0)) or upstream_info.dp_mesh_dims is not None:
+            raise NotImplementedError(
+                "torch_fsdp_ext.fully_shard: a per-parameter mesh must be 1-D and sharded on "
+                "dim 0 (FSDPMeshInfo) or 2-D with replicate dim 0 and shard dim 1 "
+                f"(HSDPMeshInfo), without dp_mesh_dims; got {upstream_info}"
+            )
         entry = (upstream_info, MeshInfo(mesh, upstream_info.shard_mesh_dim, replicate_dim))
         per_param_infos[id(upstream_info)] = entry
     return entry[1]

@@ -26,13 +26,13 @@ import importlib
 import logging
 import sys
 
-import torch.distributed.fsdp as _upstream_fsdp
+# Upstream's function from the module that defines it, which routing never
+# touches (the public attribute could already be someone's patch).
+from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _UPSTREAM_FULLY_SHARD
 
 from ._module import fully_shard as _our_fully_shard
 
 logger = logging.getLogger(__name__)
-
-_UPSTREAM_FULLY_SHARD = _upstream_fsdp.fully_shard
 
 # Where torch exposes fully_shard publicly (module name, attribute).
 _TORCH_PATHS = (

@@ -391,8 +391,8 @@ def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str,
     """Shards `param` across the shard mesh dim as upstream does. On dim 0
     every rank holds ceil(d0 / W) rows (zero padding at the tail) and the
     DTensor's local tensor is the real rows, a view of the padded buffer the
-    all-gather reads; on another dim (resolve_placement checked it divides evenly) each rank
-    holds its chunk along that dim, made contiguous. Under HSDP the DTensor
+    all-gather reads; on another dim (resolve_placement checked that it
+    divides evenly) each rank holds its chunk along that dim, made contiguous. Under HSDP the DTensor
     is (Replicate(), Shard(d)) on the 2-D mesh."""
     world = info.shard_size
     rank = info.shard_rank

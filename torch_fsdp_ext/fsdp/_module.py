@@ -43,9 +43,9 @@ def fully_shard(
     mesh = mesh or _init.default_mesh()
     info = _init.mesh_info(mesh, dp_mesh_dims)
     auto_reshard = reshard_after_forward is None
-    reshard, post_forward_mesh = _init.post_forward_setting(
-        True if auto_reshard else reshard_after_forward, info
-    )
+    # None: True until lazy init finds the root, which keeps its parameters.
+    reshard_setting = True if auto_reshard else reshard_after_forward
+    reshard, post_forward_mesh = _init.post_forward_setting(reshard_setting, info)
     device = torch.device(mesh.device_type)
     roots = (module,) if isinstance(module, nn.Module) else tuple(_get_root_modules(list(module)))
     managed = _init.managed_modules(roots, ignored_params, get_fsdp_state)
@@ -64,8 +64,7 @@ def fully_shard(
         if group_info is info:
             group_reshard = (reshard, post_forward_mesh)
         else:
-            group_reshard = _init.post_forward_setting(
-                True if auto_reshard else reshard_after_forward, group_info)
+            group_reshard = _init.post_forward_setting(reshard_setting, group_info)
         _init.validate_params([params[i] for i in members], [names[i] for i in members],
                               group_info, group_reshard[1])
         plans.append((group_info, members, group_reshard))
@@ -73,11 +72,12 @@ def fully_shard(
     state = fully_shard.state(roots[0])
     state.init(roots, mp_policy, offload_policy, auto_reshard)
     _expose_state_to_upstream_accessor(roots, state)
+    pin_memory = _init.pin_offloaded(offload_policy)
     for group_info, members, (group_reshard, group_post_forward_mesh) in plans:
         fsdp_params = [
             _init.shard_param(params[i], group_info, placements[i][0],
                               f"{type(slots[i][0][0]).__name__}.{names[i]}", slots[i],
-                              pin_memory=_init.pin_offloaded(offload_policy))
+                              pin_memory=pin_memory)
             for i in members
         ]
         group = _C.FsdpParamGroup(fsdp_params, group_info.shard_group,

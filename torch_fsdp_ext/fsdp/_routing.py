@@ -137,4 +137,3 @@ def _restore() -> None:
             restored += 1
     logger.info("torch_fsdp_ext.use_as_fully_shard: undone, upstream's fully_shard "
                 "restored in %d places", restored)
-

@@ -10,6 +10,7 @@
 
 #include "fsdp/copy_kernels.hpp"
 #include "fsdp/event_trace.hpp"
+#include "fsdp/profiler_range.hpp"
 
 namespace fsdp_ext::fsdp {
 namespace {
@@ -118,6 +119,7 @@ void FsdpParamGroup::unshard() {
   PendingAllGather pending{at::Tensor(), {}, group.size(), {},
                            sharded_state_ == ShardedState::kSharded};
   if (pending.world_size > 1) {
+    ProfilerRange range([&] { return profile_label("FSDP::all_gather"); });
     std::vector<at::Tensor> inputs;
     std::vector<at::ScalarType> dtypes;
     inputs.reserve(params_.size());
@@ -139,8 +141,11 @@ void FsdpParamGroup::unshard() {
                                   inputs.front().options().dtype(buffer_dtype),
                                   options_.allocate_from_group,
                                   CollectiveGroup::Purpose::kAllGather);
-    at::Tensor input =
-        all_gather_copy_in(inputs, dtypes, pending.output, group.rank(), pending.world_size);
+    at::Tensor input;
+    {
+      ProfilerRange copy_in([&] { return profile_label("FSDP::all_gather_copy_in"); });
+      input = all_gather_copy_in(inputs, dtypes, pending.output, group.rank(), pending.world_size);
+    }
     pending.work = group.all_gather(pending.output, input);
   }
   pending_all_gather_ = std::move(pending);
@@ -160,6 +165,7 @@ void FsdpParamGroup::wait_for_unshard() {
       copy_cast_raw(output.data_ptr(), output.scalar_type(), param->all_gather_input());
     }
   } else {
+    ProfilerRange range([&] { return profile_label("FSDP::all_gather_copy_out"); });
     wait_releasing_gil(pending.work);
     std::vector<at::Tensor> outputs;
     std::vector<int64_t> shard_dims;
@@ -188,12 +194,14 @@ void FsdpParamGroup::reshard() {
 }
 
 void FsdpParamGroup::pre_forward() {
+  ProfilerRange range([&] { return profile_label("FSDP::pre_forward"); });
   training_state_ = TrainingState::kForward;
   unshard();
   wait_for_unshard();
 }
 
 void FsdpParamGroup::post_forward(bool inside_backward) {
+  ProfilerRange range([&] { return profile_label("FSDP::post_forward"); });
   // Activation-checkpoint recomputation runs forward hooks inside backward;
   // it must neither reshard nor change the forward order.
   if (!inside_backward) {
@@ -208,6 +216,7 @@ void FsdpParamGroup::pre_backward() {
   // Called for every output gradient of the module: the unshard once, the
   // explicit prefetches each time (no-ops once issued), as upstream.
   if (training_state_ != TrainingState::kPreBackward) {
+    ProfilerRange range([&] { return profile_label("FSDP::pre_backward"); });
     training_state_ = TrainingState::kPreBackward;
     unshard();
     wait_for_unshard();
@@ -252,6 +261,10 @@ void FsdpParamGroup::backward_prefetch() {
 }
 
 void FsdpParamGroup::prefetch_unshard(TrainingState state) {
+  ProfilerRange range([&] {
+    const char* pass = state == TrainingState::kForward ? "forward" : "backward";
+    return std::string("FSDP::") + pass + "_prefetch for " + module_fqn_;
+  });
   const TrainingState previous = training_state_;
   training_state_ = state;
   try {
@@ -265,9 +278,14 @@ void FsdpParamGroup::prefetch_unshard(TrainingState state) {
 
 void FsdpParamGroup::post_backward() {
   training_state_ = TrainingState::kPostBackward;
-  for (const auto& param : params_) param->accumulate_unsharded_grad_if_needed();
+  {
+    ProfilerRange range([&] { return profile_label("FSDP::post_backward_accumulate"); });
+    for (const auto& param : params_) param->accumulate_unsharded_grad_if_needed();
+  }
   std::vector<std::shared_ptr<FsdpParam>> with_grad;
   std::vector<at::Tensor> grads;
+  std::optional<ProfilerRange> reshard_range;
+  reshard_range.emplace([&] { return profile_label("FSDP::post_backward_reshard"); });
   if (options_.reduce_grads) {
     // Take the gradients before resharding; they stay valid without the
     // unsharded storage.
@@ -289,12 +307,22 @@ void FsdpParamGroup::post_backward() {
   if (options_.reshard_after_backward) reshard();
   if (!options_.reduce_grads) {
     for (const auto& param : params_) param->to_accumulated_grad_if_needed();
+    reshard_range.reset();
   } else {
+    reshard_range.reset();
     // Earlier groups' reduce-scatters overlapped this group's backward;
     // finish the oldest until fewer than the cap remain in flight (one by
     // default, as upstream keeps), each holding its input buffer.
-    comm_->finish_reduces(static_cast<size_t>(comm_->max_reduces_in_flight() - 1));
-    if (!grads.empty()) reduce_gradients(std::move(with_grad), std::move(grads));
+    const size_t keep = static_cast<size_t>(comm_->max_reduces_in_flight() - 1);
+    if (comm_->reduces_in_flight() > keep) {
+      // Upstream names this one with the parentheses even for the root.
+      ProfilerRange range([&] { return "FSDP::post_backward_rs_wait (" + module_fqn_ + ")"; });
+      comm_->finish_reduces(keep);
+    }
+    if (!grads.empty()) {
+      ProfilerRange range([&] { return profile_label("FSDP::post_backward_reduce"); });
+      reduce_gradients(std::move(with_grad), std::move(grads));
+    }
   }
   EventTrace::emit(TraceEvent::kPostBackward, module_fqn_, training_state_);
 }
@@ -328,7 +356,10 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
   const at::TensorOptions options = grads.front().options().dtype(reduce_dtype);
   reduce.input = group.buffer(row_numel * world, options, options_.allocate_from_group,
                                     CollectiveGroup::Purpose::kReduceScatter);
-  reduce_scatter_copy_in(grads, world, reduce.input, shard_dims);
+  {
+    ProfilerRange copy_in([&] { return profile_label("FSDP::reduce_scatter_copy_in"); });
+    reduce_scatter_copy_in(grads, world, reduce.input, shard_dims);
+  }
   grads.clear();  // the unsharded gradients are no longer needed
   if (factors.pre_divide) reduce.input.div_(*factors.pre_divide);
   if (world > 1) {
@@ -349,6 +380,9 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
 }
 
 void FsdpParamGroup::complete_reduce(PendingReduce reduce) {
+  // Upstream finishes a reduction inside its post_backward_reduce range (the
+  // stream does the waiting); ours finishes later, under its own name.
+  ProfilerRange range([&] { return profile_label("FSDP::post_backward_reduce_complete"); });
   const ReduceFactors& factors = reduce.factors;
   wait_releasing_gil(reduce.work);
   reduce.input = at::Tensor();
@@ -386,6 +420,12 @@ void FsdpParamGroup::complete_reduce(PendingReduce reduce) {
         output.narrow(0, offset, shard_numel).view(param->sharded_size()));
     offset += param->padded_shard_numel();
   }
+}
+
+std::string FsdpParamGroup::profile_label(const char* phase) const {
+  std::string label(phase);
+  if (!module_fqn_.empty()) label += " (" + module_fqn_ + ")";
+  return label + profile_label_suffix_;
 }
 
 void FsdpParamGroup::drop_pending_all_gather() {

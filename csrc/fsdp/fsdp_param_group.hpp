@@ -152,6 +152,10 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   bool unshard_pending() const { return pending_all_gather_.has_value(); }
   const std::string& module_fqn() const { return module_fqn_; }
   void set_module_fqn(std::string fqn) { module_fqn_ = std::move(fqn); }
+  // Appended to this group's profiler range names: " [pg=N]" where its
+  // module has several parameter groups (per-parameter meshes), as upstream.
+  void set_profile_label_suffix(std::string suffix) { profile_label_suffix_ = std::move(suffix); }
+  const std::string& profile_label_suffix() const { return profile_label_suffix_; }
   const std::vector<std::shared_ptr<FsdpParam>>& params() const { return params_; }
   GroupOptions& options() { return options_; }
   const CollectiveGroup& shard_group() const { return shard_group_; }
@@ -169,6 +173,8 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
     bool from_sharded = true;
   };
 
+  // "FSDP::<phase> (<module fqn>)<suffix>": upstream's profiler range name.
+  std::string profile_label(const char* phase) const;
   void to_sharded_post_forward();
   void to_unsharded();
   void backward_prefetch();
@@ -190,6 +196,7 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   std::shared_ptr<FsdpCommContext> comm_;
   GroupOptions options_;
   std::string module_fqn_;
+  std::string profile_label_suffix_;
 
   TrainingState training_state_ = TrainingState::kIdle;
   ShardedState sharded_state_ = ShardedState::kSharded;

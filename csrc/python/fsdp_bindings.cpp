@@ -165,6 +165,8 @@ void bind_fsdp_runtime(py::module_& m) {
                     &FsdpParamGroup::set_training_state)
       .def_property_readonly("sharded_state", &FsdpParamGroup::sharded_state)
       .def_property("module_fqn", &FsdpParamGroup::module_fqn, &FsdpParamGroup::set_module_fqn)
+      .def_property("profile_label_suffix", &FsdpParamGroup::profile_label_suffix,
+                    &FsdpParamGroup::set_profile_label_suffix)
       .def_property_readonly("params", &FsdpParamGroup::params)
       .def_property_readonly("shard_group",
                              [](const FsdpParamGroup& g) { return g.shard_group().process_group(); })

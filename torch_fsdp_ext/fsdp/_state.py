@@ -6,6 +6,7 @@ per-parameter loop is in C++."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -21,6 +22,17 @@ from ._trace import ShardedState, TrainingState
 
 _FORWARD = TrainingState.FORWARD
 _PRE_BACKWARD = TrainingState.PRE_BACKWARD
+_NO_RANGE = contextlib.nullcontext()
+
+
+def _profiler_range(name: str):
+    """A torch.profiler range named as upstream's state-level phases
+    ("FSDP::root_pre_forward", ...); the groups' phases come from C++
+    (csrc/fsdp/profiler_range.hpp). Nothing is entered unless a profiler
+    is recording: these run for every module of every step."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return _NO_RANGE
 
 
 def get_fsdp_state(module: nn.Module) -> Optional["FSDPState"]:
@@ -188,10 +200,14 @@ class FSDPState(_State):
         param_to_fqn = {id(p): n for n, p in root.named_parameters()}
         module_to_fqn = {id(m): n for n, m in root.named_modules()}
         for state in self._state_ctx.all_states:
+            several = len(state._fsdp_param_groups) > 1
             for group in state._fsdp_param_groups:
                 group.module_fqn = ", ".join(
                     module_to_fqn[id(m)] for m in state._modules if id(m) in module_to_fqn
                 )
+                # Upstream tells a module's groups apart by their shard mesh size.
+                if several and group.shard_group is not None:
+                    group.profile_label_suffix = f" [pg={group.shard_group.size()}]"
                 for param in group.params:
                     param.fqn = param_to_fqn.get(id(param.sharded_param), param.fqn)
 
@@ -268,12 +284,16 @@ class FSDPState(_State):
         first_in_pass = self._training_state is not TrainingState.FORWARD
         self._training_state = TrainingState.FORWARD
         if first_in_pass:
-            self._lazy_init()
+            with _profiler_range("FSDP::root_pre_forward") if self._is_root is not False \
+                    else _NO_RANGE:
+                self._lazy_init()
             if self._state_ctx.iter_forward_root is None:
                 self._state_ctx.iter_forward_root = self
         # Cast before the post-backward hook wraps the inputs, so that it sees
         # the gradients of the tensors the module really receives.
-        args, kwargs = _cast_floating((args, kwargs), self._input_dtype)
+        if self._input_dtype is not None:
+            with _profiler_range("FSDP::cast_forward_inputs"):
+                args, kwargs = _cast_floating((args, kwargs), self._input_dtype)
         for group in groups:
             entering = group.training_state != _FORWARD
             group.pre_forward()
@@ -296,7 +316,10 @@ class FSDPState(_State):
         if self._state_ctx.iter_forward_root is self:
             output = self._force_complete_incomplete_states(output)
             self._state_ctx.iter_forward_root = None
-        return _cast_floating(output, self._output_dtype)
+        if self._output_dtype is None:
+            return output
+        with _profiler_range("FSDP::cast_forward_outputs"):
+            return _cast_floating(output, self._output_dtype)
 
     def _force_complete_incomplete_states(self, output: Any) -> Any:
         """Grouped states whose forward ran only some of their modules
@@ -346,14 +369,15 @@ class FSDPState(_State):
         complete every reduce-scatter so gradients are ready for the optimizer."""
         ctx = self._state_ctx
         try:
-            ctx.iter_forward_root = None
-            for state in ctx.all_states:
-                state._modules_to_run_forward.clear()
-                # The last group first: autograd's order within one module.
-                for group in reversed(state._fsdp_param_groups):
-                    group.finish_backward(ctx.is_last_backward)
-                state._training_state = TrainingState.IDLE
-            self._comm_ctx.finish_backward(ctx.is_last_backward)
+            with _profiler_range("FSDP::root_post_backward_callback"):
+                ctx.iter_forward_root = None
+                for state in ctx.all_states:
+                    state._modules_to_run_forward.clear()
+                    # The last group first: autograd's order within one module.
+                    for group in reversed(state._fsdp_param_groups):
+                        group.finish_backward(ctx.is_last_backward)
+                    state._training_state = TrainingState.IDLE
+                self._comm_ctx.finish_backward(ctx.is_last_backward)
         finally:
             ctx.post_backward_final_callback_queued = False
 

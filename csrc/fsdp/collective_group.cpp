@@ -79,8 +79,19 @@ WorkPtr CollectiveGroup::all_gather(at::Tensor& output, at::Tensor& input) const
   return without_gil([&] { return group_->_allgather_base(output, input); });
 }
 
+bool CollectiveGroup::averages_in_collective(c10::DeviceType device) const {
+  if (!group_ || python_impl_ || is_set(custom_reduce_scatter_)) return false;
+  return group_->getBackend(device)->getBackendName() == "fsdp_ext";
+}
+
 WorkPtr CollectiveGroup::reduce_scatter(at::Tensor& output, at::Tensor& input,
-                                        std::optional<double> premul) const {
+                                        std::optional<double> premul, bool average) const {
+  if (average) {
+    TORCH_INTERNAL_ASSERT(!premul && averages_in_collective(input.device().type()));
+    c10d::ReduceScatterOptions options;
+    options.reduceOp = c10d::ReduceOp::AVG;
+    return without_gil([&] { return group_->_reduce_scatter_base(output, input, options); });
+  }
   bool backend_premul = false;
   if (premul && !is_set(custom_reduce_scatter_) && !python_impl_) {
     const std::string name = group_->getBackend(input.device().type())->getBackendName();

@@ -1,6 +1,6 @@
 // CollectiveGroup: a process group as the FSDP runtime issues its three
-// collectives on it (flat all_gather_into_tensor, reduce_scatter_tensor SUM,
-// in-place all_reduce SUM), each returned un-waited.
+// collectives on it (flat all_gather_into_tensor, reduce_scatter_tensor SUM
+// or, over our backend, AVG; in-place all_reduce SUM), each returned un-waited.
 //
 // A process group backed by C++ (gloo, fsdp_ext, nccl, ...) is called through
 // the c10d::ProcessGroup API, so the collectives dispatch through the c10d::
@@ -52,8 +52,15 @@ class FSDP_EXT_HIDDEN CollectiveGroup {
   // `premul`: upstream's PREMUL_SUM(premul). Passed to backends that
   // implement it (fsdp_ext, nccl), so results are theirs bit for bit, as
   // upstream's; elsewhere (gloo has none) the input is multiplied first.
+  // `average`: ReduceOp.AVG, only where averages_in_collective().
   WorkPtr reduce_scatter(at::Tensor& output, at::Tensor& input,
-                         std::optional<double> premul = std::nullopt) const;
+                         std::optional<double> premul = std::nullopt, bool average = false) const;
+  // Whether reduce_scatter can divide by the group size itself: over our
+  // backend, whose AVG is SUM then the divide the runtime would make after
+  // it (the same bits), fused into the reduction's last pass over memory.
+  // Elsewhere the runtime divides (gloo's reduce-scatter has no AVG; a
+  // custom comm is always handed SUM).
+  bool averages_in_collective(c10::DeviceType device) const;
   WorkPtr all_reduce(at::Tensor& tensor) const;
 
   enum class Purpose { kAllGather, kReduceScatter };

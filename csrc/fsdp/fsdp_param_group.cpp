@@ -365,7 +365,13 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
   if (world > 1) {
     reduce.output = group.buffer(row_numel, options, options_.allocate_from_group,
                                  CollectiveGroup::Purpose::kReduceScatter);
-    reduce.work = group.reduce_scatter(reduce.output, reduce.input, factors.pre_multiply);
+    // Dividing by the group size is AVG: where the backend's AVG is that
+    // same divide, it makes it inside the reduction instead of a pass here.
+    const bool average =
+        factors.reduce_scatter_divide && *factors.reduce_scatter_divide == world &&
+        !factors.pre_multiply && group.averages_in_collective(reduce.input.device().type());
+    if (average) reduce.factors.reduce_scatter_divide.reset();
+    reduce.work = group.reduce_scatter(reduce.output, reduce.input, factors.pre_multiply, average);
   } else {
     // The shard is the whole gradient: nothing to reduce-scatter.
     reduce.output = std::move(reduce.input);

@@ -105,8 +105,8 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
   for (size_t m = 0; m < bucket.size(); ++m) {
     MutableSpan mine = blocks[m][r];
     // Own block first, then the peers in rank order, as reduce-scatter does.
+    // (AVG's divide included, block by block.)
     inputs.reduce_pieces(m, mine, mine.data, bucket[m].spec);
-    detail::post_divide(mine.data, mine.bytes, bucket[m].spec);
   }
   // Phase 2: every rank copies the peers' reduced blocks out of their
   // buffers (in place for buffers from the pool; large ordinary blocks with

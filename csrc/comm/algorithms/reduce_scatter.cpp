@@ -157,6 +157,7 @@ void reduce_scatter(OpContext& context, const std::vector<ReduceScatterMember>& 
 
   const std::vector<ReduceScatterMember> contributions = apply_pre_scale(context, bucket);
   const int n = context.size();
+  bool divided = false;  // AVG's divide already made inside the reduction pass
   if (n == 1) {
     copy_own_blocks(context, contributions);
   } else {
@@ -168,6 +169,7 @@ void reduce_scatter(OpContext& context, const std::vector<ReduceScatterMember>& 
     switch (select_reduce_scatter(total, n, shared != nullptr)) {
       case Algorithm::kSharedMemory:
         reduce_scatter_shared(context, *shared, contributions);
+        divided = true;
         break;
       case Algorithm::kRing:
         detail::in_step_windows(context, contributions, static_cast<uint32_t>(n - 1),
@@ -180,6 +182,7 @@ void reduce_scatter(OpContext& context, const std::vector<ReduceScatterMember>& 
         break;
     }
   }
+  if (divided) return;
   for (const ReduceScatterMember& member : bucket) {
     detail::post_divide(member.output.data, member.output.bytes, member.spec);
   }

@@ -81,7 +81,7 @@ class SharedSourceExchange {
   // offered as process memory are first copied a chunk at a time into
   // scratch, so the reduction takes them from cache. `own` may alias
   // `output`. The same order on every rank, whatever the pieces' kind, so
-  // results are bitwise identical.
+  // results are bitwise identical. AVG's divide is made here, chunk by chunk.
   void reduce_pieces(size_t index, MutableSpan output, const void* own, const ReduceSpec& spec);
   void finish();
 

@@ -36,7 +36,9 @@ inline void post_divide(void* data, size_t bytes, const ReduceSpec& spec) {
 
 // output = own (op) every other source in order, a block at a time so the
 // accumulator stays in L1/L2 while the sources stream through: one pass over
-// memory instead of one per source. `own` may alias `output`.
+// memory instead of one per source. AVG's divide follows on each block while
+// it is still in cache (the same divide post_divide makes, so the same bits),
+// so callers must not post_divide again. `own` may alias `output`.
 inline void reduce_sources(MutableSpan output, const void* own,
                            const std::vector<const void*>& others, const ReduceSpec& spec) {
   constexpr size_t kBlockBytes = 32 << 10;
@@ -50,6 +52,7 @@ inline void reduce_sources(MutableSpan output, const void* own,
       reduce_into(out + offset, static_cast<const char*>(source) + offset, bytes / element,
                   spec.type, spec.kind);
     }
+    post_divide(out + offset, bytes, spec);
   }
 }
 

@@ -79,15 +79,33 @@ WorkPtr CollectiveGroup::all_gather(at::Tensor& output, at::Tensor& input) const
   return without_gil([&] { return group_->_allgather_base(output, input); });
 }
 
-bool CollectiveGroup::averages_in_collective(c10::DeviceType device) const {
-  if (!group_ || python_impl_ || is_set(custom_reduce_scatter_)) return false;
+bool CollectiveGroup::is_ours(c10::DeviceType device, Purpose purpose) const {
+  const pybind11::object& custom =
+      purpose == Purpose::kAllGather ? custom_all_gather_ : custom_reduce_scatter_;
+  if (!group_ || python_impl_ || is_set(custom)) return false;
   return group_->getBackend(device)->getBackendName() == "fsdp_ext";
+}
+
+WorkPtr CollectiveGroup::all_gather_coalesced(std::vector<at::Tensor>& outputs,
+                                              std::vector<at::Tensor>& inputs) const {
+  TORCH_INTERNAL_ASSERT(is_ours(inputs.front().device().type(), Purpose::kAllGather));
+  return without_gil([&] { return group_->allgather_into_tensor_coalesced(outputs, inputs); });
+}
+
+WorkPtr CollectiveGroup::reduce_scatter_coalesced(std::vector<at::Tensor>& outputs,
+                                                  std::vector<at::Tensor>& inputs,
+                                                  bool average) const {
+  TORCH_INTERNAL_ASSERT(is_ours(inputs.front().device().type(), Purpose::kReduceScatter));
+  c10d::ReduceScatterOptions options;
+  options.reduceOp = average ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  return without_gil(
+      [&] { return group_->reduce_scatter_tensor_coalesced(outputs, inputs, options); });
 }
 
 WorkPtr CollectiveGroup::reduce_scatter(at::Tensor& output, at::Tensor& input,
                                         std::optional<double> premul, bool average) const {
   if (average) {
-    TORCH_INTERNAL_ASSERT(!premul && averages_in_collective(input.device().type()));
+    TORCH_INTERNAL_ASSERT(!premul && is_ours(input.device().type(), Purpose::kReduceScatter));
     c10d::ReduceScatterOptions options;
     options.reduceOp = c10d::ReduceOp::AVG;
     return without_gil([&] { return group_->_reduce_scatter_base(output, input, options); });

@@ -52,18 +52,27 @@ class FSDP_EXT_HIDDEN CollectiveGroup {
   // `premul`: upstream's PREMUL_SUM(premul). Passed to backends that
   // implement it (fsdp_ext, nccl), so results are theirs bit for bit, as
   // upstream's; elsewhere (gloo has none) the input is multiplied first.
-  // `average`: ReduceOp.AVG, only where averages_in_collective().
+  // `average`: ReduceOp.AVG, only where is_ours(device, kReduceScatter).
   WorkPtr reduce_scatter(at::Tensor& output, at::Tensor& input,
                          std::optional<double> premul = std::nullopt, bool average = false) const;
-  // Whether reduce_scatter can divide by the group size itself: over our
-  // backend, whose AVG is SUM then the divide the runtime would make after
-  // it (the same bits), fused into the reduction's last pass over memory.
-  // Elsewhere the runtime divides (gloo's reduce-scatter has no AVG; a
-  // custom comm is always handed SUM).
-  bool averages_in_collective(c10::DeviceType device) const;
   WorkPtr all_reduce(at::Tensor& tensor) const;
 
+  // One collective over a list of (output, input) pairs, each pair as the
+  // flat op above (our backend runs them as one fused operation); only where
+  // is_ours(device, purpose). CommDebugMode counts them as
+  // c10d::allgather_into_tensor_coalesced_ / reduce_scatter_tensor_coalesced_.
+  WorkPtr all_gather_coalesced(std::vector<at::Tensor>& outputs,
+                               std::vector<at::Tensor>& inputs) const;
+  WorkPtr reduce_scatter_coalesced(std::vector<at::Tensor>& outputs,
+                                   std::vector<at::Tensor>& inputs, bool average) const;
+
   enum class Purpose { kAllGather, kReduceScatter };
+  // Whether this group's collective for `purpose` runs on our backend (no
+  // custom comm, not a Python group). Our AVG is SUM then the divide the
+  // runtime would make after it (the same bits), fused into the reduction's
+  // last pass, so the runtime may ask for it; gloo's reduce-scatter has no
+  // AVG and a custom comm is always handed SUM.
+  bool is_ours(c10::DeviceType device, Purpose purpose) const;
   // A 1-D buffer for a collective of `purpose` on this group: from the
   // custom comm's allocate when one is set; else from the group's backend
   // allocator when asked and it has one (fsdp_ext on one host: peers read it

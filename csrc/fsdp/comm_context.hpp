@@ -32,6 +32,7 @@ struct PendingReduce {
   std::weak_ptr<FsdpParamGroup> group;
   std::vector<std::shared_ptr<FsdpParam>> params;
   at::Tensor input;   // kept alive until the collective completes
+  std::vector<at::Tensor> member_inputs;  // the same, per parameter
   at::Tensor output;
   c10::intrusive_ptr<c10d::Work> work;
   ReduceFactors factors;

@@ -120,6 +120,11 @@ void FsdpParamGroup::unshard() {
                            sharded_state_ == ShardedState::kSharded};
   if (pending.world_size > 1) {
     ProfilerRange range([&] { return profile_label("FSDP::all_gather"); });
+    if (per_parameter_on(group, CollectiveGroup::Purpose::kAllGather, pending.from_sharded)) {
+      issue_per_parameter_all_gather(group, pending);
+      pending_all_gather_ = std::move(pending);
+      return;
+    }
     std::vector<at::Tensor> inputs;
     std::vector<at::ScalarType> dtypes;
     inputs.reserve(params_.size());
@@ -151,6 +156,43 @@ void FsdpParamGroup::unshard() {
   pending_all_gather_ = std::move(pending);
 }
 
+bool FsdpParamGroup::per_parameter_on(const CollectiveGroup& group,
+                                      CollectiveGroup::Purpose purpose, bool from_sharded) const {
+  if (!options_.per_parameter_collectives || group.size() == 1) return false;
+  if (!group.is_ours(params_.front()->padded_sharded_data().device().type(), purpose)) {
+    return false;
+  }
+  // A rank's rows of a dim-0 shard are one block of the padded parameter;
+  // shards on another dim interleave with the other ranks' (post-forward
+  // chunks are blocks of the unsharded data whatever the dim).
+  if (!from_sharded) return true;
+  return std::all_of(params_.begin(), params_.end(),
+                     [](const auto& param) { return param->shard_dim() == 0; });
+}
+
+void FsdpParamGroup::issue_per_parameter_all_gather(const CollectiveGroup& group,
+                                                    PendingAllGather& pending) {
+  std::vector<at::Tensor> outputs;
+  {
+    // Only mixed precision copies here: the shard cast to the parameter dtype.
+    ProfilerRange copy_in([&] { return profile_label("FSDP::all_gather_copy_in"); });
+    for (const auto& param : params_) {
+      at::Tensor input = param->all_gather_input();
+      if (input.scalar_type() != param->unsharded_dtype()) {
+        input = input.to(param->unsharded_dtype());
+      }
+      const at::Tensor& output = param->allocated_all_gather_output();
+      TORCH_CHECK(output.numel() == input.numel() * pending.world_size, "fsdp_ext FsdpParamGroup(",
+                  module_fqn_, "): parameter ", param->fqn(), " gathers ", input.numel(),
+                  " elements from each of ", pending.world_size, " ranks into ", output.numel());
+      outputs.push_back(output);
+      pending.inputs.push_back(std::move(input));
+    }
+  }
+  pending.per_parameter = true;
+  pending.work = group.all_gather_coalesced(outputs, pending.inputs);
+}
+
 void FsdpParamGroup::wait_for_unshard() {
   if (!pending_all_gather_) return;
   PendingAllGather pending = std::move(*pending_all_gather_);
@@ -164,6 +206,10 @@ void FsdpParamGroup::wait_for_unshard() {
       const at::Tensor& output = param->allocated_all_gather_output();
       copy_cast_raw(output.data_ptr(), output.scalar_type(), param->all_gather_input());
     }
+  } else if (pending.per_parameter) {
+    // The collective wrote the parameters' own storage: nothing to copy.
+    ProfilerRange range([&] { return profile_label("FSDP::all_gather_wait"); });
+    wait_releasing_gil(pending.work);
   } else {
     ProfilerRange range([&] { return profile_label("FSDP::all_gather_copy_out"); });
     wait_releasing_gil(pending.work);
@@ -351,9 +397,46 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
     if (!grads[i].is_contiguous()) grads[i] = grads[i].contiguous();
     row_numel += params[i]->padded_shard_numel();
   }
+  const at::TensorOptions options = grads.front().options().dtype(reduce_dtype);
+  const c10::DeviceType device = grads.front().device().type();
+  // Dividing by the group size is AVG: where the backend's AVG is that same
+  // divide, it makes it inside the reduction instead of a pass here.
+  const bool average =
+      world > 1 && factors.reduce_scatter_divide && *factors.reduce_scatter_divide == world &&
+      !factors.pre_multiply && group.is_ours(device, CollectiveGroup::Purpose::kReduceScatter);
+  if (world > 1 && !factors.pre_divide && !factors.pre_multiply &&
+      per_parameter_on(group, CollectiveGroup::Purpose::kReduceScatter, /*from_sharded=*/true)) {
+    reduce.output = group.buffer(row_numel, options, options_.allocate_from_group,
+                                 CollectiveGroup::Purpose::kReduceScatter);
+    std::vector<at::Tensor> outputs;
+    {
+      ProfilerRange copy_in([&] { return profile_label("FSDP::reduce_scatter_copy_in"); });
+      int64_t offset = 0;
+      for (size_t i = 0; i < grads.size(); ++i) {
+        const int64_t padded = params[i]->padded_shard_numel();
+        at::Tensor flat = grads[i].view(-1);  // contiguous (above)
+        // Read where it lies when it already is the padded parameter's
+        // layout; otherwise one copy, padded with zeros (and cast).
+        if (flat.scalar_type() != reduce_dtype || flat.numel() != padded * world) {
+          at::Tensor laid_out = at::empty({padded * world}, options);
+          laid_out.narrow(0, 0, flat.numel()).copy_(flat);
+          laid_out.narrow(0, flat.numel(), padded * world - flat.numel()).zero_();
+          flat = std::move(laid_out);
+        }
+        reduce.member_inputs.push_back(std::move(flat));
+        outputs.push_back(reduce.output.narrow(0, offset, padded));
+        offset += padded;
+      }
+    }
+    grads.clear();
+    if (average) reduce.factors.reduce_scatter_divide.reset();
+    reduce.work = group.reduce_scatter_coalesced(outputs, reduce.member_inputs, average);
+    reduce.params = std::move(params);
+    comm_->add_reduce(std::move(reduce));
+    return;
+  }
   std::vector<int64_t> shard_dims;
   for (const auto& param : params) shard_dims.push_back(param->shard_dim());
-  const at::TensorOptions options = grads.front().options().dtype(reduce_dtype);
   reduce.input = group.buffer(row_numel * world, options, options_.allocate_from_group,
                                     CollectiveGroup::Purpose::kReduceScatter);
   {
@@ -365,11 +448,6 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
   if (world > 1) {
     reduce.output = group.buffer(row_numel, options, options_.allocate_from_group,
                                  CollectiveGroup::Purpose::kReduceScatter);
-    // Dividing by the group size is AVG: where the backend's AVG is that
-    // same divide, it makes it inside the reduction instead of a pass here.
-    const bool average =
-        factors.reduce_scatter_divide && *factors.reduce_scatter_divide == world &&
-        !factors.pre_multiply && group.averages_in_collective(reduce.input.device().type());
     if (average) reduce.factors.reduce_scatter_divide.reset();
     reduce.work = group.reduce_scatter(reduce.output, reduce.input, factors.pre_multiply, average);
   } else {
@@ -392,6 +470,7 @@ void FsdpParamGroup::complete_reduce(PendingReduce reduce) {
   const ReduceFactors& factors = reduce.factors;
   wait_releasing_gil(reduce.work);
   reduce.input = at::Tensor();
+  reduce.member_inputs.clear();
   at::Tensor output = std::move(reduce.output);
   if (factors.reduce_scatter_divide) output.div_(*factors.reduce_scatter_divide);
   if (replicate_group_) {

@@ -52,6 +52,15 @@ struct GroupOptions {
   // read them in place), as upstream's
   // set_allocate_memory_from_process_group_for_comm.
   bool allocate_from_group = false;
+  // Ours only (FSDPModule.set_per_parameter_collectives): over our backend,
+  // the all-gather writes each parameter's unsharded storage directly and the
+  // reduce-scatter reads each gradient where it lies: one coalesced
+  // collective per group with a member per parameter, no copy-out, and no
+  // reduce-scatter copy-in for gradients already laid out as their padded
+  // parameter (dim-0 sharding, rows divisible by the world size). Groups it
+  // cannot serve (a parameter sharded on another dim, PREMUL_SUM or a
+  // pre-divide, custom comms, other backends) keep the flat collectives.
+  bool per_parameter_collectives = false;
   // Reductions use SUM only, dividing before or after (changes where the
   // division happens, hence the rounding: gradient_divide.hpp).
   bool force_sum_reduction_for_comms = false;
@@ -171,7 +180,18 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
     // the flat unsharded data): parameters sharded on dim d > 0 are
     // reassembled along d.
     bool from_sharded = true;
+    // Per-parameter collective: the outputs are the parameters' own
+    // all-gather outputs (nothing to copy out); `inputs` are kept alive
+    // until it completes (casts under mixed precision).
+    bool per_parameter = false;
+    std::vector<at::Tensor> inputs;
   };
+
+  // Whether this group's collectives on `group` go per parameter now
+  // (GroupOptions::per_parameter_collectives and the conditions there).
+  bool per_parameter_on(const CollectiveGroup& group, CollectiveGroup::Purpose purpose,
+                        bool from_sharded) const;
+  void issue_per_parameter_all_gather(const CollectiveGroup& group, PendingAllGather& pending);
 
   // "FSDP::<phase> (<module fqn>)<suffix>": upstream's profiler range name.
   std::string profile_label(const char* phase) const;

@@ -191,6 +191,10 @@ void bind_fsdp_runtime(py::module_& m) {
           "allocate_from_group", [](FsdpParamGroup& g) { return g.options().allocate_from_group; },
           [](FsdpParamGroup& g, bool v) { g.options().allocate_from_group = v; })
       .def_property(
+          "per_parameter_collectives",
+          [](FsdpParamGroup& g) { return g.options().per_parameter_collectives; },
+          [](FsdpParamGroup& g, bool v) { g.options().per_parameter_collectives = v; })
+      .def_property(
           "gradient_divide_factor",
           [](FsdpParamGroup& g) { return g.options().gradient_divide_factor; },
           [](FsdpParamGroup& g, std::optional<double> v) { g.options().gradient_divide_factor = v; })

@@ -330,6 +330,22 @@ class FSDPModule(UpstreamFSDPModule):
             )
         _set_group_option(self, "allocate_from_group", enable, recurse=False)
 
+    def set_per_parameter_collectives(self, enable: bool, *, recurse: bool = True) -> None:
+        """Ours only, over the fsdp_ext backend: all-gather every parameter
+        straight into its unsharded storage and reduce-scatter every gradient
+        where it lies, as one coalesced collective per group with a member
+        per parameter. That drops the all-gather copy-out, and the
+        reduce-scatter copy-in of gradients already laid out as their padded
+        parameter (dim-0 rows divisible by the world size). Results are the
+        same bit for bit; CommDebugMode then counts
+        ``allgather_into_tensor_coalesced`` / ``reduce_scatter_tensor_coalesced``
+        where upstream issues ``all_gather_into_tensor`` /
+        ``reduce_scatter_tensor``, hence off by default. Groups on other
+        backends or with custom comms, all-gathers of parameters sharded on a
+        dim other than 0, and reductions with PREMUL_SUM or a pre-divide keep
+        the flat collectives."""
+        _set_group_option(self, "per_parameter_collectives", enable, recurse=recurse)
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         _set_group_option(self, "unshard_in_backward", unshard_in_backward, recurse=False)
 

@@ -12,6 +12,9 @@ steps of one contender before the next):
   upstream/gloo, ours/gloo, upstream/fsdp_ext, ours/fsdp_ext
   .../fsdp_ext+alloc  with set_allocate_memory_from_process_group_for_comm(True):
             communication buffers from the group's shared-memory pool
+  ours/fsdp_ext+alloc+per-param  and set_per_parameter_collectives(True): a
+            coalesced all-gather into the parameters' own storage and a
+            reduce-scatter reading the gradients in place (ours only)
   local     the same model unsharded, no FSDP and no communication: the
             compute every contender also does
 
@@ -51,7 +54,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 CONTENDERS = ["upstream/gloo", "ours/gloo", "upstream/fsdp_ext", "ours/fsdp_ext",
-              "upstream/fsdp_ext+alloc", "ours/fsdp_ext+alloc"]
+              "upstream/fsdp_ext+alloc", "ours/fsdp_ext+alloc", "ours/fsdp_ext+alloc+per-param"]
+
+
+def _upstream_of(name):
+    """The upstream contender an "ours/..." one is compared with (per-param
+    is ours only: upstream with the same buffers)."""
+    return "upstream/" + name.split("/")[1].replace("+per-param", "")
 
 
 CONFIGS = ("fp32", "bf16", "hsdp")
@@ -113,8 +122,10 @@ def build(model_name, contender, gloo, config="fp32"):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if config == "bf16" else None)
         for block in blocks + [model]:
             fully_shard(block, mesh=mesh, mp_policy=mp)
-            if backend.endswith("+alloc"):
+            if "+alloc" in backend:
                 block.set_allocate_memory_from_process_group_for_comm(True)
+            if "+per-param" in backend:
+                block.set_per_parameter_collectives(True, recurse=False)
         groups = len(blocks) + 1
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
 
@@ -198,8 +209,10 @@ class _CollectiveBytes:
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 if func.namespace == "c10d":
-                    sizes = [t.numel() * t.element_size() for t in tree_leaves((args, kwargs))
-                             if isinstance(t, torch.Tensor)]
+                    # A coalesced op's tensor lists count as their sums.
+                    sizes = [sum(t.numel() * t.element_size() for t in tree_leaves(arg)
+                                 if isinstance(t, torch.Tensor))
+                             for arg in list(args) + list((kwargs or {}).values())]
                     counter.bytes += max(sizes, default=0)
                 return func(*args, **(kwargs or {}))
 
@@ -254,7 +267,7 @@ def markdown_tables(run):
         for name in ["local"] + CONTENDERS:
             speedup = ""
             if name.startswith("ours/"):
-                other = "upstream/" + name.split("/")[1]
+                other = _upstream_of(name)
                 speedup = f"{med[other] / med[name]:.2f}x faster"
             per_group = ""
             if result["groups"][name]:
@@ -263,7 +276,7 @@ def markdown_tables(run):
             loss = "n/a"
             if name != "local":
                 losses = result["losses"]
-                other = ("upstream/" + name.split("/")[1]) if name.startswith("ours/") else "upstream/gloo"
+                other = _upstream_of(name) if name.startswith("ours/") else "upstream/gloo"
                 loss = f"{max(abs(a - b) for a, b in zip(losses[name], losses[other])):.1e}"
             comm = result.get("comm_mib", {}).get(name)
             comm = "" if comm is None or name == "local" else f"{comm:.2f}"

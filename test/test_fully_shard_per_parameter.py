@@ -4,18 +4,17 @@ per parameter, over the fsdp_ext group (ours only).
 The all-gather then writes every parameter's unsharded storage itself (no
 copy-out) and the reduce-scatter reads gradients where they lie when they
 already have their padded parameter's layout (the TinyLM's dims divide by 4;
-the MLP stack's 130 and 250 rows do not, so its gradients take the padded
-copy). The numbers must not change: each case trains ours in that mode, ours
+the MLP stack's rows do not, so its gradients take the padded copy). The numbers must not change: each case trains ours in that mode, ours
 with the flat collectives and upstream's fully_shard from the same initial
 values on the same batches, and the losses, the gradients of the last step
 and the final parameters must be equal bit for bit. The profiler must see the
 coalesced collectives, and no flat one, where the mode applies.
 
-Every group's gradients are over 64 KiB: a flat reduce-scatter up to that
-size takes the small-op channel, which sums the ranks in rank order, while
-the coalesced one sums the owner's block first (as the shared-memory path
-does for any size), so small groups can differ by rounding (docs/design.md,
-"Per-parameter collectives").
+Two sizes: every case with small models, whose flat reduce-scatters (64 KiB
+at most) take the small-op channel while the coalesced ones take the direct
+algorithm; two cases with models whose groups are over 64 KiB, where both
+take the shared-memory path. Each sums a block starting with its owner's
+contribution, so the rounding is the same whichever runs.
 
 Cases (4 ranks): fp32 with reshard_after_forward True, False and 2 (a
 post-forward mesh: the backward all-gather gathers the post-forward chunks);
@@ -40,7 +39,8 @@ STEPS = 3
 AG, RS = "c10d::_allgather_base_", "c10d::_reduce_scatter_base_"
 AG_COALESCED = "c10d::allgather_into_tensor_coalesced_"
 RS_COALESCED = "c10d::reduce_scatter_tensor_coalesced_"
-VOCAB, DIM, MLP_DIM, MLP_HIDDEN = 256, 128, 130, 250
+# (vocab, dim) of the TinyLM, (dim, hidden) of the MLP stack.
+SIZES = {"small": ((32, 16), (10, 24)), "large": ((256, 128), (130, 250))}
 
 CASES = {
     # name: (model, mesh shape, fully_shard kwargs, extras)
@@ -55,22 +55,25 @@ CASES = {
 }
 
 
-def _build(model_name, ac):
+def _build(model_name, size, ac):
+    (vocab, dim), (mlp_dim, mlp_hidden) = SIZES[size]
     torch.manual_seed(0)
     if model_name == "mlp":
-        return MLPStack(n=3, dim=MLP_DIM, hidden=MLP_HIDDEN)
-    return TinyLM(n_layers=2, vocab=VOCAB, dim=DIM, ac="outer" if ac else None)
+        return MLPStack(n=3, dim=mlp_dim, hidden=mlp_hidden)
+    return TinyLM(n_layers=2, vocab=vocab, dim=dim, ac="outer" if ac else None)
 
 
-def _loss(model_name, model, rank, step):
+def _loss(model_name, size, model, rank, step):
+    (vocab, _), (mlp_dim, _) = SIZES[size]
     if model_name == "mlp":
-        return model(mlp_batch(rank, step, dim=MLP_DIM)).pow(2).mean()
-    tokens, targets = lm_batch(rank, step, vocab=VOCAB)
+        return model(mlp_batch(rank, step, dim=mlp_dim)).pow(2).mean()
+    tokens, targets = lm_batch(rank, step, vocab=vocab)
     return lm_loss(model(tokens), targets)
 
 
-def _train(ctx, impl, per_parameter, case):
+def _train(ctx, impl, per_parameter, case, size):
     model_name, shape, kwargs, extras = CASES[case]
+    dim = SIZES[size][0][1]
     api = fsdp_api(impl)
     kwargs = dict(kwargs)
     mesh = make_mesh(ctx, "fsdp_ext", shape)
@@ -79,10 +82,10 @@ def _train(ctx, impl, per_parameter, case):
         kwargs["mp_policy"] = api.MixedPrecisionPolicy(param_dtype=param_dtype,
                                                        reduce_dtype=reduce_dtype)
     if "shard_dim" in kwargs:
-        dim = kwargs.pop("shard_dim")
-        # The blocks' square weights on `dim`, the rest (all the root's) on 0.
-        kwargs["shard_placement_fn"] = lambda p: Shard(dim if p.shape == (DIM, DIM) else 0)
-    model = _build(model_name, extras.get("ac"))
+        shard_dim = kwargs.pop("shard_dim")
+        # The blocks' square weights on `shard_dim`, the rest (all the root's) on 0.
+        kwargs["shard_placement_fn"] = lambda p: Shard(shard_dim if p.shape == (dim, dim) else 0)
+    model = _build(model_name, size, extras.get("ac"))
     blocks = model.layers if model_name == "transformer" else list(model)[1:]
     for block in blocks:
         api.fully_shard(block, mesh=mesh, **kwargs)
@@ -96,9 +99,9 @@ def _train(ctx, impl, per_parameter, case):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             if extras.get("accumulate"):
                 model.set_requires_gradient_sync(False)
-                _loss(model_name, model, rank, 100 + step).backward()
+                _loss(model_name, size, model, rank, 100 + step).backward()
                 model.set_requires_gradient_sync(True)
-            loss = _loss(model_name, model, rank, step)
+            loss = _loss(model_name, size, model, rank, step)
             loss.backward()
         counts = Counter(e.name for e in prof.events() if e.name.startswith("c10d::"))
         losses.append(loss.detach())
@@ -113,13 +116,14 @@ def _equal(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_per_parameter_collectives_change_no_number(case):
+@pytest.mark.parametrize("case,size", [(case, "small") for case in CASES] +
+                         [("fp32_reshard_true", "large"), ("bf16_reduce_bf16", "large")])
+def test_per_parameter_collectives_change_no_number(case, size):
     pool = get_pool(4)
     runs = {
-        "per_parameter": pool.run(_train, "ours", True, case),
-        "flat": pool.run(_train, "ours", False, case),
-        "upstream": pool.run(_train, "upstream", False, case),
+        "per_parameter": pool.run(_train, "ours", True, case, size),
+        "flat": pool.run(_train, "ours", False, case, size),
+        "upstream": pool.run(_train, "upstream", False, case, size),
     }
     for rank in range(4):
         ours = runs["per_parameter"][rank]

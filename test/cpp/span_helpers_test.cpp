@@ -49,6 +49,31 @@ TEST(SplitBlocks, BlocksNeverCutAnElement) {
   }
 }
 
+// AVG's divide is made block by block inside reduce_sources: the result must
+// be the same bits as summing first and dividing the whole output after
+// (what post_divide, and torch's div_, compute), across block boundaries
+// (32 KiB) and at awkward sizes, with the output aliasing `own`.
+TEST(ReduceSources, DividesEachBlockAsAWholeOutputDivideWould) {
+  ReduceSpec avg;
+  avg.post_divisor = 3.0;  // not a power of two: a reciprocal would round differently
+  for (size_t count : {1, 3, 8191, 20000}) {
+    std::vector<float> own(count), a(count), b(count);
+    for (size_t i = 0; i < count; ++i) {
+      own[i] = 0.1f * static_cast<float>(i % 97) + 1e-3f;
+      a[i] = 1.0f / static_cast<float>(i + 3);
+      b[i] = -0.37f * static_cast<float>(i % 13);
+    }
+    std::vector<float> expected = own;
+    for (size_t i = 0; i < count; ++i) expected[i] = ((own[i] + a[i]) + b[i]) / 3.0f;
+    std::vector<float> output = own;  // aliases own, as the in-place callers do
+    detail::reduce_sources(MutableSpan{output.data(), count * sizeof(float)}, output.data(),
+                           {a.data(), b.data()}, avg);
+    for (size_t i = 0; i < count; ++i) {
+      ASSERT_EQ(output[i], expected[i]) << "element " << i << " of " << count;
+    }
+  }
+}
+
 TEST(RingNeighbours, WrapAroundTheGroup) {
   EXPECT_EQ(detail::ring_next(4, 5), 0);
   EXPECT_EQ(detail::ring_prev(0, 5), 4);

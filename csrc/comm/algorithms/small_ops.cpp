@@ -49,14 +49,19 @@ void contribute_for_reduction(SmallOpChannel& channel, uint64_t seq, SmallOp op,
   channel.publish();
 }
 
-// out = the bytes at `offset` of every rank's contribution, reduced in rank
-// order on every rank (the same rounding everywhere), then divided for AVG.
+// out = the bytes at `offset` of every rank's contribution, reduced starting
+// with rank `first`'s, then the others in rank order, then divided for AVG.
+// An all-reduce starts with rank 0 on every rank (the same rounding
+// everywhere); a reduce-scatter block with its owner's, the order the direct
+// and shared-memory reduce-scatters use, so a block rounds the same whichever
+// algorithm its bucket takes.
 void reduce_contributions(const SmallOpChannel& channel, size_t offset, MutableSpan out,
-                          const ReduceSpec& spec) {
+                          const ReduceSpec& spec, int first) {
   if (out.bytes == 0) return;
   const size_t count = out.bytes / element_size(spec.type);
-  std::memcpy(out.data, channel.data_of(0) + offset, out.bytes);
-  for (int r = 1; r < channel.size(); ++r) {
+  std::memcpy(out.data, channel.data_of(first) + offset, out.bytes);
+  for (int r = 0; r < channel.size(); ++r) {
+    if (r == first) continue;
     reduce_into(out.data, channel.data_of(r) + offset, count, spec.type, spec.kind);
   }
   detail::post_divide(out.data, out.bytes, spec);
@@ -77,7 +82,7 @@ void start_small_allreduce(SmallOpChannel& channel, uint64_t seq, ConstSpan data
 void finish_small_allreduce(const SmallOpChannel& channel, MutableSpan data,
                             const ReduceSpec& spec) {
   check_same_op(channel);
-  reduce_contributions(channel, 0, data, spec);
+  reduce_contributions(channel, 0, data, spec, /*first=*/0);
 }
 
 void start_small_reduce_scatter(SmallOpChannel& channel, uint64_t seq, ConstSpan input,
@@ -88,7 +93,8 @@ void start_small_reduce_scatter(SmallOpChannel& channel, uint64_t seq, ConstSpan
 void finish_small_reduce_scatter(const SmallOpChannel& channel, MutableSpan output,
                                  const ReduceSpec& spec) {
   check_same_op(channel);
-  reduce_contributions(channel, channel.rank() * output.bytes, output, spec);
+  reduce_contributions(channel, channel.rank() * output.bytes, output, spec,
+                       /*first=*/channel.rank());
 }
 
 void start_small_allgather(SmallOpChannel& channel, uint64_t seq, ConstSpan input) {

@@ -37,7 +37,8 @@ void start_small_allgather(SmallOpChannel& channel, uint64_t seq, ConstSpan inpu
 void finish_small_allgather(const SmallOpChannel& channel, const std::vector<MutableSpan>& outputs);
 
 // Each rank contributes its whole input (`size` equal blocks) and reduces
-// its own block of everyone's, in rank order.
+// its own block of everyone's: its own contribution first, then the others
+// in rank order (as the direct and shared-memory reduce-scatters do).
 void start_small_reduce_scatter(SmallOpChannel& channel, uint64_t seq, ConstSpan input,
                                 const ReduceSpec& spec);
 void finish_small_reduce_scatter(const SmallOpChannel& channel, MutableSpan output,

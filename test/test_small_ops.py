@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import get_pool
 from reference import DTYPES, assert_equal, expected_reduction, make_input, ops_for, reduce_op
 
 CPU = torch.device("cpu")
@@ -201,6 +202,38 @@ def check_coalesced_small_ops_join_the_bucket(ctx):
         assert torch.equal(tensor, torch.full((4,), float(sum(range(n)) + n * i)))
 
 
+def check_coalesced_gathers_and_reduce_scatters_take_the_channel(ctx):
+    """allgather_into_tensor_coalesced and reduce_scatter_tensor_coalesced
+    (FSDP's per-parameter collectives) of at most a slot per rank are one
+    channel op each; each reduce-scatter member rounds as the same single
+    reduce-scatter does (both start a block with its owner's contribution)."""
+    n, rank = ctx.world_size, ctx.rank
+    group = dist.distributed_c10d._get_default_group()
+    members = [(1, torch.float32), (3, torch.bfloat16), (1000, torch.float32), (0, torch.float32)]
+    inputs = [(torch.arange(k) + 1000 * rank).to(dt) for k, dt in members]
+    outputs = [torch.empty(k * n, dtype=dt) for k, dt in members]
+    before = counters()
+    group.allgather_into_tensor_coalesced(outputs, inputs).wait()
+    assert channel_ops(before, counters()) == 1
+    for (k, dt), out in zip(members, outputs):
+        expected = torch.cat([(torch.arange(k) + 1000 * r).to(dt) for r in range(n)])
+        assert torch.equal(out, expected), (k, dt)
+    # Values of different magnitudes: their sum rounds differently in another order.
+    g = torch.Generator().manual_seed(rank)
+    sizes = (1, 3, 1000)
+    inputs = [torch.randn(k * n, generator=g) * 10 ** rank for k in sizes]
+    options = dist.ReduceScatterOptions()
+    options.reduceOp = dist.ReduceOp.AVG
+    outputs = [torch.empty(k) for k in sizes]
+    before = counters()
+    group.reduce_scatter_tensor_coalesced(outputs, inputs, options).wait()
+    assert channel_ops(before, counters()) == 1
+    for k, tensor, out in zip(sizes, inputs, outputs):
+        single = torch.empty(k)
+        dist.reduce_scatter_tensor(single, tensor, op=dist.ReduceOp.AVG)
+        assert torch.equal(out, single), k
+
+
 def check_different_ops_are_a_clear_error(ctx):
     group = dist.new_group(timeout=datetime.timedelta(seconds=20))
     tensor = torch.ones(8)
@@ -317,6 +350,11 @@ def test_queued_behind_engine_work(world, request):
 
 def test_coalesced_small_ops_join_the_bucket(pool2):
     pool2.run(check_coalesced_small_ops_join_the_bucket)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_coalesced_gathers_and_reduce_scatters_take_the_channel(world):
+    get_pool(world).run(check_coalesced_gathers_and_reduce_scatters_take_the_channel)
 
 
 def test_different_ops_are_a_clear_error(pool2):

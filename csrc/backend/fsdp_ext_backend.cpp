@@ -36,6 +36,13 @@ comm::ConstSpan const_span_of(const at::Tensor& tensor) {
   return comm::ConstSpan{tensor.data_ptr(), tensor.nbytes()};
 }
 
+std::vector<comm::ConstSpan> const_spans_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<comm::ConstSpan> spans;
+  spans.reserve(tensors.size());
+  for (const at::Tensor& tensor : tensors) spans.push_back(const_span_of(tensor));
+  return spans;
+}
+
 // Equal slices of a flat tensor, one per rank (all_gather_into_tensor /
 // reduce_scatter_tensor layouts).
 std::vector<comm::MutableSpan> split_evenly(const at::Tensor& flat, int parts) {
@@ -278,6 +285,24 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allgather_into_tensor_coalesced(
   for (size_t i = 0; i < inputs.size(); ++i) {
     check_gather_into_tensor(l, outputs[i], inputs[i], " " + std::to_string(i));
   }
+  size_t total = 0;
+  for (const at::Tensor& input : inputs) total += input.nbytes();
+  if (use_small_ops(total, "FSDP_EXT_ALLGATHER_ALGO")) {
+    std::vector<at::Tensor> ins = inputs;
+    std::vector<at::Tensor> outs = outputs;
+    const int parts = size_;
+    return run_small(
+        l, c10d::OpType::COALESCED, "fsdp_ext:all_gather_into_tensor_coalesced",
+        resolve_timeout(opts.timeout), outs, ins,
+        [ins](comm::SmallOpChannel& channel, uint64_t seq) {
+          comm::start_small_allgather_bucket(channel, seq, const_spans_of(ins));
+        },
+        [outs, parts](const comm::SmallOpChannel& channel) {
+          std::vector<std::vector<comm::MutableSpan>> blocks;
+          for (const at::Tensor& output : outs) blocks.push_back(split_evenly(output, parts));
+          comm::finish_small_allgather_bucket(channel, blocks);
+        });
+  }
   BucketMembers bucket;
   for (size_t i = 0; i < inputs.size(); ++i) {
     bucket.allgather.push_back({const_span_of(inputs[i]), split_evenly(outputs[i], size_)});
@@ -381,11 +406,31 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::reduce_scatter_tensor_coalesced(
   const OpLabel l = label("reduce_scatter_tensor_coalesced");
   check_count(l, outputs.size(), inputs.size(), "output tensors (one per input)");
   BucketMembers bucket;
+  size_t total = 0;
+  bool one_spec = true;  // the channel reduces a bucket with one dtype and op
   for (size_t i = 0; i < inputs.size(); ++i) {
     check_scatter_from_tensor(l, outputs[i], inputs[i], " " + std::to_string(i));
     bucket.reduce_scatter.push_back({to_const_spans(split_evenly(inputs[i], size_)),
                                      span_of(outputs[i]),
                                      reduce_spec(l, opts.reduceOp, outputs[i].scalar_type(), size_)});
+    total += inputs[i].nbytes();
+    one_spec = one_spec && outputs[i].scalar_type() == outputs[0].scalar_type();
+  }
+  if (!inputs.empty() && one_spec && use_small_ops(total, "FSDP_EXT_REDUCE_SCATTER_ALGO")) {
+    std::vector<at::Tensor> ins = inputs;
+    std::vector<at::Tensor> outs = outputs;
+    const comm::ReduceSpec spec = bucket.reduce_scatter.front().spec;
+    return run_small(
+        l, c10d::OpType::COALESCED, "fsdp_ext:reduce_scatter_tensor_coalesced",
+        resolve_timeout(opts.timeout), outs, ins,
+        [ins, spec](comm::SmallOpChannel& channel, uint64_t seq) {
+          comm::start_small_reduce_scatter_bucket(channel, seq, const_spans_of(ins), spec);
+        },
+        [outs, spec](const comm::SmallOpChannel& channel) {
+          std::vector<comm::MutableSpan> spans;
+          for (const at::Tensor& output : outs) spans.push_back(span_of(output));
+          comm::finish_small_reduce_scatter_bucket(channel, spans, spec);
+        });
   }
   return enqueue_bucket(l, c10d::OpType::COALESCED, "fsdp_ext:reduce_scatter_tensor_coalesced",
                         resolve_timeout(opts.timeout), outputs, inputs, std::move(bucket));

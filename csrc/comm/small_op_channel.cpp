@@ -251,6 +251,9 @@ std::string describe_small_op(const ChannelOpKind& kind) {
     default:
       return "an unknown op (" + std::to_string(kind.op) + ")";
   }
+  if (const uint32_t members = kind.detail >> 16; members > 0) {
+    what += ", a bucket of " + std::to_string(members);
+  }
   return what + " of " + std::to_string(kind.bytes) + " bytes";
 }
 

@@ -11,8 +11,12 @@
 namespace fsdp_ext::comm {
 namespace {
 
-uint32_t encode_reduction(const ReduceSpec& spec) {
-  return static_cast<uint32_t>(spec.type) | (static_cast<uint32_t>(spec.kind) << 8);
+// The op's detail word: dtype (bits 0-7) and reduction (8-15) of a
+// reduction, and the members of a bucket (16-31; 0 for a single op), so that
+// a bucket and a single op of the same size are told apart.
+uint32_t encode_reduction(const ReduceSpec& spec, size_t members = 0) {
+  return static_cast<uint32_t>(spec.type) | (static_cast<uint32_t>(spec.kind) << 8) |
+         (static_cast<uint32_t>(members) << 16);
 }
 
 // Every rank must have called the same op with the same size; the first
@@ -107,6 +111,70 @@ void finish_small_allgather(const SmallOpChannel& channel, const std::vector<Mut
   check_same_op(channel);
   for (int r = 0; r < channel.size(); ++r) {
     if (outputs[r].bytes > 0) std::memcpy(outputs[r].data, channel.data_of(r), outputs[r].bytes);
+  }
+}
+
+namespace {
+
+size_t total_bytes(const std::vector<ConstSpan>& spans) {
+  size_t total = 0;
+  for (const ConstSpan& span : spans) total += span.bytes;
+  return total;
+}
+
+}  // namespace
+
+void start_small_allgather_bucket(SmallOpChannel& channel, uint64_t seq,
+                                  const std::vector<ConstSpan>& inputs) {
+  const size_t total = total_bytes(inputs);
+  char* slot = begin_with(channel, seq, SmallOp::kAllgather,
+                          static_cast<uint32_t>(inputs.size()) << 16, total, total);
+  for (const ConstSpan& input : inputs) {
+    if (input.bytes > 0) std::memcpy(slot, input.data, input.bytes);
+    slot += input.bytes;
+  }
+  channel.publish();
+}
+
+void finish_small_allgather_bucket(const SmallOpChannel& channel,
+                                   const std::vector<std::vector<MutableSpan>>& outputs) {
+  check_same_op(channel);
+  for (int r = 0; r < channel.size(); ++r) {
+    const char* source = channel.data_of(r);
+    for (const std::vector<MutableSpan>& member : outputs) {
+      if (member[r].bytes > 0) std::memcpy(member[r].data, source, member[r].bytes);
+      source += member[r].bytes;
+    }
+  }
+}
+
+void start_small_reduce_scatter_bucket(SmallOpChannel& channel, uint64_t seq,
+                                       const std::vector<ConstSpan>& inputs,
+                                       const ReduceSpec& spec) {
+  const size_t total = total_bytes(inputs);
+  char* slot = begin_with(channel, seq, SmallOp::kReduceScatter,
+                          encode_reduction(spec, inputs.size()), total, total);
+  for (const ConstSpan& input : inputs) {
+    if (spec.pre_scale != 1.0) {
+      scale_copy(slot, input.data, input.bytes / element_size(spec.type), spec.type,
+                 spec.pre_scale);
+    } else if (input.bytes > 0) {
+      std::memcpy(slot, input.data, input.bytes);
+    }
+    slot += input.bytes;
+  }
+  channel.publish();
+}
+
+void finish_small_reduce_scatter_bucket(const SmallOpChannel& channel,
+                                        const std::vector<MutableSpan>& outputs,
+                                        const ReduceSpec& spec) {
+  check_same_op(channel);
+  size_t member_offset = 0;  // member m's whole input in every slot
+  for (const MutableSpan& output : outputs) {
+    reduce_contributions(channel, member_offset + channel.rank() * output.bytes, output, spec,
+                         /*first=*/channel.rank());
+    member_offset += output.bytes * channel.size();
   }
 }
 

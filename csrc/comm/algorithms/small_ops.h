@@ -44,6 +44,21 @@ void start_small_reduce_scatter(SmallOpChannel& channel, uint64_t seq, ConstSpan
 void finish_small_reduce_scatter(const SmallOpChannel& channel, MutableSpan output,
                                  const ReduceSpec& spec);
 
+// Buckets (allgather_into_tensor_coalesced, reduce_scatter_tensor_coalesced):
+// one channel op for all members, their inputs back to back in the slot.
+// outputs[m][r]: member m's block from rank r. A reduce-scatter bucket has
+// one spec for every member; each block is reduced as a single op's is.
+void start_small_allgather_bucket(SmallOpChannel& channel, uint64_t seq,
+                                  const std::vector<ConstSpan>& inputs);
+void finish_small_allgather_bucket(const SmallOpChannel& channel,
+                                   const std::vector<std::vector<MutableSpan>>& outputs);
+void start_small_reduce_scatter_bucket(SmallOpChannel& channel, uint64_t seq,
+                                       const std::vector<ConstSpan>& inputs,
+                                       const ReduceSpec& spec);
+void finish_small_reduce_scatter_bucket(const SmallOpChannel& channel,
+                                        const std::vector<MutableSpan>& outputs,
+                                        const ReduceSpec& spec);
+
 void start_small_broadcast(SmallOpChannel& channel, uint64_t seq, ConstSpan data, int root);
 void finish_small_broadcast(const SmallOpChannel& channel, MutableSpan data, int root);
 

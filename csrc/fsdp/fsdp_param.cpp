@@ -160,12 +160,28 @@ void FsdpParam::drop_unsharded_of_stale_dtype() {
   }
   TORCH_CHECK(state_ != ShardedState::kUnsharded, "fsdp_ext ", fqn_,
               ": the parameter dtype changed while unsharded; reshard first");
+  TORCH_CHECK(!host_shared_, "fsdp_ext ", fqn_,
+              ": the parameter dtype changed after set_host_shared_parameters laid out the "
+              "host-shared memory in ", all_gather_output_.scalar_type());
   all_gather_output_ = at::Tensor();
   unsharded_param_ = py::object();
   unsharded_tensor_ = at::Tensor();
 }
 
+void FsdpParam::use_host_shared_output(at::Tensor output) {
+  TORCH_CHECK(!unsharded_tensor_.defined(), "fsdp_ext ", fqn_,
+              ": host-shared parameters must be set before the first forward");
+  TORCH_CHECK(output.dim() == 1 && output.numel() == padded_sharded_data_.numel() * shard_world_size_ &&
+                  output.scalar_type() == unsharded_dtype(),
+              "fsdp_ext ", fqn_, ": a host-shared all-gather output of ", output.numel(), " ",
+              output.scalar_type(), " for ", padded_sharded_data_.numel() * shard_world_size_,
+              " ", unsharded_dtype());
+  all_gather_output_ = std::move(output);
+  host_shared_ = true;
+}
+
 const at::Tensor& FsdpParam::allocated_all_gather_output() {
+  if (host_shared_) return all_gather_output_;
   if (!all_gather_output_.defined()) {
     all_gather_output_ = at::empty({padded_sharded_data_.numel() * shard_world_size_},
                                    padded_sharded_data_.options().dtype(unsharded_dtype()));
@@ -179,7 +195,8 @@ void FsdpParam::init_unsharded_param() {
   if (unsharded_tensor_.defined()) return;
   TORCH_CHECK(all_gather_output_.defined(), "fsdp_ext ", fqn_,
               ": init_unsharded_param before the first all-gather");
-  at::Tensor view = all_gather_output_.as_strided(orig_size_, c10::contiguous_strides(orig_size_), 0);
+  at::Tensor view = all_gather_output_.as_strided(orig_size_, c10::contiguous_strides(orig_size_),
+                                                  all_gather_output_.storage_offset());
   py::object data = is_dtensor() ? make_dtensor(view, unsharded_spec_with_dtype())
                                  : py::reinterpret_steal<py::object>(THPVariable_Wrap(view));
   unsharded_param_ = parameter_class()(data, py::arg("requires_grad") = requires_grad());
@@ -207,7 +224,8 @@ at::Tensor FsdpParam::local_grad(at::Tensor grad) const {
 }
 
 void FsdpParam::release_unsharded_storage() {
-  if (all_gather_output_.defined()) release_storage(all_gather_output_);
+  // Host-shared memory stays: the other ranks of the host share it.
+  if (all_gather_output_.defined() && !host_shared_) release_storage(all_gather_output_);
 }
 
 void FsdpParam::drop_unsharded_grad() {

@@ -86,6 +86,11 @@ class FSDP_EXT_HIDDEN FsdpParam {
   const at::Tensor& all_gather_input() const;
   // The all-gather output with its storage allocated (created on first use).
   const at::Tensor& allocated_all_gather_output();
+  // Host-shared parameters (host_shared_parameters.hpp): `output`, a view of
+  // the memory every rank of the host maps, is the all-gather output from now
+  // on and is never released. Before the unsharded parameter exists.
+  void use_host_shared_output(at::Tensor output);
+  bool host_shared() const { return host_shared_; }
   // Creates the unsharded nn.Parameter once, viewing the all-gather output.
   void init_unsharded_param();
   bool has_unsharded_param() const { return unsharded_tensor_.defined(); }
@@ -171,6 +176,7 @@ class FSDP_EXT_HIDDEN FsdpParam {
   at::Tensor padded_sharded_data_;  // 1-D
 
   at::Tensor all_gather_output_;  // 1-D, world * padded numel
+  bool host_shared_ = false;      // all_gather_output_ views host-shared memory
   py::object unsharded_spec_ = py::none();
   bool pin_memory_ = false;
   py::object grad_dp_dims_ = py::tuple();

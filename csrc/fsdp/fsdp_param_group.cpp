@@ -120,6 +120,11 @@ void FsdpParamGroup::unshard() {
                            sharded_state_ == ShardedState::kSharded};
   if (pending.world_size > 1) {
     ProfilerRange range([&] { return profile_label("FSDP::all_gather"); });
+    if (host_shared_) {
+      unshard_host_shared(pending);
+      pending_all_gather_ = std::move(pending);
+      return;
+    }
     if (per_parameter_on(group, CollectiveGroup::Purpose::kAllGather, pending.from_sharded)) {
       issue_per_parameter_all_gather(group, pending);
       pending_all_gather_ = std::move(pending);
@@ -193,6 +198,60 @@ void FsdpParamGroup::issue_per_parameter_all_gather(const CollectiveGroup& group
   pending.work = group.all_gather_coalesced(outputs, pending.inputs);
 }
 
+int64_t FsdpParamGroup::host_shared_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& param : params_) {
+    const int64_t numel = param->padded_shard_numel() * shard_group_.size();
+    bytes += (numel * static_cast<int64_t>(c10::elementSize(param->unsharded_dtype())) + 63) / 64 * 64;
+  }
+  return bytes;
+}
+
+void FsdpParamGroup::use_host_shared(at::Tensor region, at::Tensor control,
+                                     std::vector<int64_t> pids, std::chrono::milliseconds timeout) {
+  const int64_t world = shard_group_.size();
+  TORCH_CHECK_VALUE(static_cast<int64_t>(pids.size()) == world, "fsdp_ext FsdpParamGroup(",
+                    module_fqn_, "): ", pids.size(), " pids for a shard group of ", world);
+  TORCH_CHECK_VALUE(region.scalar_type() == at::kByte && region.dim() == 1 &&
+                        region.numel() == host_shared_bytes(),
+                    "fsdp_ext FsdpParamGroup(", module_fqn_, "): a host-shared region of ",
+                    region.numel(), " bytes where the parameters need ", host_shared_bytes());
+  for (const auto& param : params_) {
+    // A rank's shard of a dim-d > 0 parameter is not one block of it.
+    TORCH_CHECK_NOT_IMPLEMENTED(param->shard_dim() == 0, "fsdp_ext FsdpParamGroup(", module_fqn_,
+                                "): host-shared parameters need every parameter sharded on dim "
+                                "0; ", param->fqn(), " is sharded on dim ", param->shard_dim());
+  }
+  int64_t offset = 0;
+  for (const auto& param : params_) {
+    const int64_t numel = param->padded_shard_numel() * world;
+    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(param->unsharded_dtype()));
+    param->use_host_shared_output(region.narrow(0, offset, bytes).view(param->unsharded_dtype()));
+    offset += (bytes + 63) / 64 * 64;
+  }
+  host_shared_ = std::make_unique<HostSharedParameters>(
+      std::move(control), shard_group_.rank(), pids, timeout,
+      "fsdp_ext host-shared parameters of " + (module_fqn_.empty() ? "the root" : module_fqn_));
+}
+
+void FsdpParamGroup::unshard_host_shared(PendingAllGather& pending) {
+  const int64_t rank = shard_group_.rank();
+  ++host_shared_epoch_;
+  host_shared_->enter(host_shared_epoch_);
+  {
+    ProfilerRange copy_in([&] { return profile_label("FSDP::all_gather_copy_in"); });
+    for (const auto& param : params_) {
+      const int64_t padded = param->padded_shard_numel();
+      const at::Tensor& output = param->allocated_all_gather_output();
+      at::Tensor slot = output.narrow(0, rank * padded, padded);
+      // Raw: no version-counter bump on the parameters autograd saved.
+      copy_cast_raw(slot.data_ptr(), slot.scalar_type(), param->padded_sharded_data());
+    }
+  }
+  host_shared_->publish(host_shared_epoch_);
+  pending.per_parameter = true;  // the parameters' memory is written: no copy-out
+}
+
 void FsdpParamGroup::wait_for_unshard() {
   if (!pending_all_gather_) return;
   PendingAllGather pending = std::move(*pending_all_gather_);
@@ -232,7 +291,8 @@ void FsdpParamGroup::wait_for_unshard() {
 void FsdpParamGroup::reshard() {
   if (training_state_ == TrainingState::kForward && !reshard_after_forward_) return;
   EventTrace::emit(TraceEvent::kReshard, module_fqn_, training_state_);
-  if (training_state_ == TrainingState::kForward && uses_post_forward_mesh()) {
+  // Host-shared parameters need no post-forward copy: the memory stays.
+  if (training_state_ == TrainingState::kForward && uses_post_forward_mesh() && !host_shared_) {
     to_sharded_post_forward();
     return;
   }

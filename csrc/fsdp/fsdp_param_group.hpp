@@ -34,6 +34,7 @@
 #include "fsdp/collective_group.hpp"
 #include "fsdp/comm_context.hpp"
 #include "fsdp/fsdp_param.hpp"
+#include "fsdp/host_shared_parameters.hpp"
 #include "fsdp/training_state.hpp"
 
 namespace fsdp_ext::fsdp {
@@ -147,6 +148,16 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   // collectives (waiting on them) and the forward-order bookkeeping.
   void reset_iter_state();
 
+  // Host-shared parameters (host_shared_parameters.hpp, and the Python
+  // setter that maps the memory): bytes of the parameters' region (each
+  // parameter padded to its full size, 64-byte aligned, in group order), then
+  // the switch itself, given that region, the control block, the pids of the
+  // shard group's ranks and the wait timeout. Before the first forward.
+  int64_t host_shared_bytes() const;
+  void use_host_shared(at::Tensor region, at::Tensor control, std::vector<int64_t> pids,
+                       std::chrono::milliseconds timeout);
+  bool host_shared() const { return host_shared_ != nullptr; }
+
   // Registers the sharded parameters without a reshard event (state_dict
   // hooks: saved and loaded state is always the sharded DTensors).
   void to_sharded();
@@ -192,6 +203,9 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   bool per_parameter_on(const CollectiveGroup& group, CollectiveGroup::Purpose purpose,
                         bool from_sharded) const;
   void issue_per_parameter_all_gather(const CollectiveGroup& group, PendingAllGather& pending);
+  // Note [ordering of host-shared unsharded parameters]: enter, write this
+  // rank's slots, publish.
+  void unshard_host_shared(PendingAllGather& pending);
 
   // "FSDP::<phase> (<module fqn>)<suffix>": upstream's profiler range name.
   std::string profile_label(const char* phase) const;
@@ -221,6 +235,8 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   TrainingState training_state_ = TrainingState::kIdle;
   ShardedState sharded_state_ = ShardedState::kSharded;
   std::optional<PendingAllGather> pending_all_gather_;
+  std::unique_ptr<HostSharedParameters> host_shared_;
+  uint64_t host_shared_epoch_ = 0;  // unshards so far (every rank alike)
   std::vector<size_t> post_forward_indices_;
   // Weak: targets are other groups, which may own (prefetch) this one.
   std::vector<std::weak_ptr<FsdpParamGroup>> forward_prefetch_;

@@ -190,6 +190,16 @@ void bind_fsdp_runtime(py::module_& m) {
       .def_property(
           "allocate_from_group", [](FsdpParamGroup& g) { return g.options().allocate_from_group; },
           [](FsdpParamGroup& g, bool v) { g.options().allocate_from_group = v; })
+      .def("host_shared_bytes", &FsdpParamGroup::host_shared_bytes)
+      .def(
+          "use_host_shared",
+          [](FsdpParamGroup& g, at::Tensor region, at::Tensor control, std::vector<int64_t> pids,
+             double timeout_seconds) {
+            g.use_host_shared(std::move(region), std::move(control), std::move(pids),
+                              std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1e3)));
+          },
+          py::arg("region"), py::arg("control"), py::arg("pids"), py::arg("timeout_seconds"))
+      .def_property_readonly("host_shared", &FsdpParamGroup::host_shared)
       .def_property(
           "per_parameter_collectives",
           [](FsdpParamGroup& g) { return g.options().per_parameter_collectives; },

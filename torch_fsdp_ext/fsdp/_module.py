@@ -330,6 +330,38 @@ class FSDPModule(UpstreamFSDPModule):
             )
         _set_group_option(self, "allocate_from_group", enable, recurse=False)
 
+    def set_host_shared_parameters(self, enable: bool = True) -> None:
+        """Ours only: one copy per host of every unsharded parameter of this
+        module and its FSDP submodules. The ranks of a shard group map the
+        same memory (a file in /dev/shm, unlinked once mapped); an unshard
+        writes this rank's shard into it and waits until every rank of the
+        host has (no all-gather, no copy-out, one copy instead of one per
+        rank), and the parameters are views of it. Gradients stay per rank.
+        Numbers are unchanged bit for bit.
+
+        Call on every rank, before the first forward (the memory is mapped at
+        lazy init, once the parameter dtypes are final). Needs each shard
+        group on one host (HSDP with a shard group per host is fine) and
+        parameters sharded on dim 0. The memory stays mapped while the
+        modules live: resharding frees nothing, since the host's copy is
+        shared (one copy per host in all, instead of one per rank at peak).
+        The ranks' ordering rules: Note [ordering of host-shared unsharded
+        parameters] in csrc/fsdp/host_shared_parameters.hpp."""
+        states = [m._get_fsdp_state() for m in _fsdp_modules(self, recurse=True)]
+        if not enable:
+            if any(g.host_shared for s in states for g in s._fsdp_param_groups):
+                raise NotImplementedError("host-shared parameters cannot be turned off once mapped")
+            for state in states:
+                state._host_shared_requested = False
+            return
+        if any(s._group_initialized for s in states):
+            raise RuntimeError(
+                "set_host_shared_parameters must be called before the first forward "
+                "(the memory is laid out at lazy initialisation)"
+            )
+        for state in states:
+            state._host_shared_requested = True
+
     def set_per_parameter_collectives(self, enable: bool, *, recurse: bool = True) -> None:
         """Ours only, over the fsdp_ext backend: all-gather every parameter
         straight into its unsharded storage and reduce-scatter every gradient

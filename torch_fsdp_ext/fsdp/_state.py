@@ -17,7 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from .. import _C
-from . import _init
+from . import _host_shared, _init
 from ._trace import ShardedState, TrainingState
 
 _FORWARD = TrainingState.FORWARD
@@ -95,6 +95,8 @@ class FSDPState(_State):
         self._modules_to_run_forward: set[nn.Module] = set()
         self._auto_reshard_after_forward = True
         self._group_initialized = False
+        # set_host_shared_parameters: map the memory at lazy init.
+        self._host_shared_requested = False
         self._modules: tuple[nn.Module, ...] = ()
         self._hook_handles: list = []
         self._orig_param_uids: list[int] = []
@@ -266,6 +268,9 @@ class FSDPState(_State):
         if isinstance(self._offload_policy, CPUOffloadPolicy):
             for group in groups:
                 _init.validate_offloaded_on_cpu(group)
+        if self._host_shared_requested:
+            # Now that the parameter dtypes are final: the memory's layout.
+            _host_shared.share_groups(groups, type(self._modules[0]).__name__)
         self._group_initialized = True
 
     # Forward -----------------------------------------------------------------

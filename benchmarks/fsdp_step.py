@@ -15,6 +15,8 @@ steps of one contender before the next):
   ours/fsdp_ext+alloc+per-param  and set_per_parameter_collectives(True): a
             coalesced all-gather into the parameters' own storage and a
             reduce-scatter reading the gradients in place (ours only)
+  ours/fsdp_ext+alloc+per-param+host-shared  and set_host_shared_parameters():
+            one copy of the unsharded parameters per host, no all-gather
   local     the same model unsharded, no FSDP and no communication: the
             compute every contender also does
 
@@ -36,7 +38,11 @@ each step the slowest rank, steps after the first third); "FSDP ms per group"
 (runtime plus communication; at world size 1 only runtime); and the peak
 memory training adds to the built, sharded model (VmHWM over the first 4 steps
 minus VmRSS before them; each contender alone in fresh processes; rank 0): what
-the process really holds, allocator caching included. "max loss diff": over
+the process really holds, allocator caching included; and per rank, RSS and
+PSS (proportional set size: shared pages divided among the processes that map
+them) sampled at the start of every FSDP module's forward, parameters
+unsharded, over the same steps, minus their values before: the host's sum of
+PSS is what the host holds, counted once. "max loss diff": over
 all steps, ours against upstream on the same backend, upstream against
 upstream/gloo. 
 """
@@ -54,13 +60,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 CONTENDERS = ["upstream/gloo", "ours/gloo", "upstream/fsdp_ext", "ours/fsdp_ext",
-              "upstream/fsdp_ext+alloc", "ours/fsdp_ext+alloc", "ours/fsdp_ext+alloc+per-param"]
+              "upstream/fsdp_ext+alloc", "ours/fsdp_ext+alloc", "ours/fsdp_ext+alloc+per-param",
+              "ours/fsdp_ext+alloc+per-param+host-shared"]
 
 
 def _upstream_of(name):
     """The upstream contender an "ours/..." one is compared with (per-param
     is ours only: upstream with the same buffers)."""
-    return "upstream/" + name.split("/")[1].replace("+per-param", "")
+    return "upstream/" + name.split("/")[1].replace("+per-param", "").replace("+host-shared", "")
 
 
 CONFIGS = ("fp32", "bf16", "hsdp")
@@ -126,6 +133,8 @@ def build(model_name, contender, gloo, config="fp32"):
                 block.set_allocate_memory_from_process_group_for_comm(True)
             if "+per-param" in backend:
                 block.set_per_parameter_collectives(True, recurse=False)
+        if "+host-shared" in backend:
+            model.set_host_shared_parameters()
         groups = len(blocks) + 1
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
 
@@ -237,17 +246,44 @@ def _memory_worker(rank, world, init_file, queue, model_name, contender, config,
     _quiet_upstream_view_warning()
     import torch.distributed as dist
 
-    _, _, step = build(model_name, contender, gloo, config)
+    model, _, step = build(model_name, contender, gloo, config)
+    from torch.distributed.fsdp import FSDPModule
+
+    samples = {"rss": 0, "pss": 0}
+
+    def sample(*_):
+        rss, pss = _rss_pss_kib()
+        samples["rss"] = max(samples["rss"], rss)
+        samples["pss"] = max(samples["pss"], pss)
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule) or contender == "local" and module is model:
+            module.register_forward_pre_hook(sample)  # after FSDP's: unsharded
     dist.barrier(group=gloo)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM (peak RSS) to the current RSS
     base = _rss_kib("VmRSS")
+    base_rss, base_pss = _rss_pss_kib()
     for index in range(4):
         step(index, rank)
     peak = _rss_kib("VmHWM")
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, ((samples["rss"] - base_rss) / 1024.0,
+                                      (samples["pss"] - base_pss) / 1024.0), group=gloo)
     if rank == 0:
-        queue.put((peak - base) / 1024.0)
+        queue.put({"peak_rss": (peak - base) / 1024.0, "rss_pss_by_rank": per_rank})
     dist.destroy_process_group()
+
+
+def _rss_pss_kib():
+    """(RSS, PSS) of this process now, KiB."""
+    values = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            key = line.split(":")[0]
+            if key in ("Rss", "Pss"):
+                values[key] = int(line.split()[1])
+    return values["Rss"], values["Pss"]
 
 
 def markdown_tables(run):
@@ -257,7 +293,9 @@ def markdown_tables(run):
     out = []
     for key, result in run["results"].items():
         med = result["median_seconds"]
-        memory = result["peak_step_memory_mib"]
+        # Runs before the per-rank samples stored the peak alone.
+        memory = {name: m["peak_rss"] if isinstance(m, dict) else m
+                  for name, m in result["peak_step_memory_mib"].items()}
         out.append(f"{key}: {result['params'] / 1e6:.2f}M parameters, "
                    f"{result['groups']['ours/gloo']} FSDP groups, {args['world_size']} ranks, "
                    f"median of steps {steady}..{args['steps'] - 1}\n")
@@ -283,6 +321,18 @@ def markdown_tables(run):
             out.append(f"| {name} | {med[name] * 1e3:.2f} | {speedup} | {per_group} | {comm} "
                        f"| {mem} | {loss} |")
         out.append("")
+        by_rank = {name: m["rss_pss_by_rank"] for name, m in result["peak_step_memory_mib"].items()
+                   if isinstance(m, dict)}
+        if by_rank:
+            out.append("Per rank, MiB added at the start of an FSDP module's forward (largest "
+                       "sample): RSS / PSS; the host's PSS is the sum over ranks.\n")
+            out.append("| contender | " + " | ".join(f"rank {r} RSS / PSS" for r in
+                                                   range(args["world_size"])) + " | host PSS |")
+            out.append("|---|" + "---:|" * (args["world_size"] + 1))
+            for name, ranks in by_rank.items():
+                cells = " | ".join(f"{rss:.1f} / {pss:.1f}" for rss, pss in ranks)
+                out.append(f"| {name} | {cells} | {sum(p for _, p in ranks):.1f} |")
+            out.append("")
     return "\n".join(out)
 
 

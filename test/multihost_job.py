@@ -155,31 +155,56 @@ def train(rank, world, steps):
 
     losses = {}
     gloo = dist.new_group(backend="gloo")
+
+    def build(shard, mesh, host_shared=False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32),
+                                                          torch.nn.ReLU())
+                                      for _ in range(3)], torch.nn.Linear(32, 4))
+        for block in model:
+            shard(block, mesh=mesh)
+        shard(model, mesh=mesh)
+        if host_shared:
+            model.set_host_shared_parameters()
+        return model
+
+    def run(model):
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        generator = torch.Generator().manual_seed(1 + rank)
+        out = []
+        for _ in range(steps):
+            x = torch.randn(8, 32, generator=generator)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=gloo)
+            out.append(total.item())
+        return out
+
     for backend, group in (("fsdp_ext", None), ("gloo", gloo)):
         mesh = torch.distributed.device_mesh.DeviceMesh.from_group(
             group or dist.group.WORLD, "cpu")
         for name, shard in (("ours", our_fully_shard), ("upstream", upstream_fully_shard)):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32),
-                                                              torch.nn.ReLU())
-                                          for _ in range(3)], torch.nn.Linear(32, 4))
-            for block in model:
-                shard(block, mesh=mesh)
-            shard(model, mesh=mesh)
-            optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            generator = torch.Generator().manual_seed(1 + rank)
-            run = []
-            for _ in range(steps):
-                x = torch.randn(8, 32, generator=generator)
-                loss = model(x).pow(2).mean()
-                loss.backward()
-                optim.step()
-                optim.zero_grad()
-                total = loss.detach().clone()
-                dist.all_reduce(total, group=gloo)
-                run.append(total.item())
-            losses[f"{name}/{backend}"] = run
-    report(rank, losses=losses)
+            losses[f"{name}/{backend}"] = run(build(shard, mesh))
+    refusal = ""
+    if world == 4:
+        # HSDP with a shard group per host (replicas across the hosts): ours
+        # with host-shared parameters against without; and FSDP over both
+        # hosts, which host-shared parameters refuse.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        losses["ours/hsdp"] = run(build(our_fully_shard, hsdp))
+        losses["ours/hsdp+host-shared"] = run(build(our_fully_shard, hsdp, host_shared=True))
+        across = build(our_fully_shard, torch.distributed.device_mesh.DeviceMesh.from_group(
+            dist.group.WORLD, "cpu"), host_shared=True)
+        try:
+            across(torch.randn(8, 32))
+        except NotImplementedError as e:
+            refusal = str(e)
+    report(rank, losses=losses, refusal=refusal)
 
 
 def kill(rank, world, victim, marker):

@@ -101,6 +101,11 @@ def test_fully_shard_training_across_two_hosts_matches_gloo():
     assert losses["ours/fsdp_ext"] == pytest.approx(losses["upstream/gloo"], rel=1e-5), losses
     for report in reports.values():
         assert report["losses"] == losses
+    # Host-shared parameters in each host's shard group, replicas across the
+    # hosts (HSDP): the same numbers; a shard group over both hosts refused.
+    assert losses["ours/hsdp+host-shared"] == losses["ours/hsdp"], losses
+    for report in reports.values():
+        assert "spans hosts" in report["refusal"], report["refusal"]
 
 
 @pytest.mark.parametrize("victim", [0, 3], ids=["on-host-0", "on-host-1"])

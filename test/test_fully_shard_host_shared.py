@@ -3,12 +3,13 @@
 Training cases (4 ranks, one host): ours with host-shared parameters against
 ours without them and upstream's fully_shard, same initial values and
 batches; losses, last-step gradients and final parameters equal bit for bit.
-fp32 with reshard_after_forward True, False and 2; bf16 parameters; explicit
-forward and backward prefetching; activation checkpointing with a
-micro-batch accumulated without gradient sync; HSDP (2 x 2: the shard
-groups are the host's pairs); host-shared together with per-parameter
-reduce-scatters; and rank 1 made slow on purpose (sleeps inside every
-block's forward and backward and before its optimizer step). Every group
+reshard_after_forward 2; bf16 parameters kept unsharded after forward
+(False); activation checkpointing with a micro-batch accumulated without
+gradient sync; HSDP (2 x 2: the shard groups are the host's pairs);
+host-shared together with per-parameter reduce-scatters; and explicit
+forward and backward prefetching with rank 1 made slow on purpose (sleeps
+inside every block's forward and backward and before its optimizer step).
+reshard_after_forward True is the default of the other cases. Every group
 must be host-shared and no all-gather may run.
 
 The ordering rule that protects a slower rank (Note [ordering of host-shared
@@ -44,15 +45,12 @@ STEPS = 3
 SLOW_SECONDS = 0.02
 CASES = {
     # name: (mesh shape, fully_shard kwargs, extras)
-    "fp32_reshard_true": ((4,), {}, {}),
-    "fp32_reshard_false": ((4,), {"reshard_after_forward": False}, {}),
-    "fp32_reshard_2": ((4,), {"reshard_after_forward": 2}, {}),
-    "bf16": ((4,), {"mp": torch.bfloat16}, {}),
-    "explicit_prefetch": ((4,), {}, {"prefetch": True}),
+    "reshard_2": ((4,), {"reshard_after_forward": 2}, {}),
+    "bf16_reshard_false": ((4,), {"mp": torch.bfloat16, "reshard_after_forward": False}, {}),
     "checkpoint_accumulate": ((4,), {}, {"ac": True, "accumulate": True}),
     "hsdp": ((2, 2), {}, {}),
     "per_parameter_reduce": ((4,), {}, {"per_parameter": True}),
-    "slow_rank": ((4,), {}, {"slow": True}),
+    "slow_rank_explicit_prefetch": ((4,), {}, {"slow": True, "prefetch": True}),
 }
 
 

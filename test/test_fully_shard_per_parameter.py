@@ -10,10 +10,9 @@ values on the same batches, and the losses, the gradients of the last step
 and the final parameters must be equal bit for bit. The profiler must see the
 coalesced collectives, and no flat one, where the mode applies.
 
-Two sizes: every case with small models, whose flat reduce-scatters (64 KiB
-at most) take the small-op channel while the coalesced ones take the direct
-algorithm; two cases with models whose groups are over 64 KiB, where both
-take the shared-memory path. Each sums a block starting with its owner's
+Two sizes: small models, whose flat and coalesced reduce-scatters (64 KiB at
+most) both take the small-op channel, and models whose groups are over
+64 KiB, where both take the shared-memory path. Each sums a block starting with its owner's
 contribution, so the rounding is the same whichever runs.
 
 Cases (4 ranks): fp32 with reshard_after_forward True, False and 2 (a
@@ -116,8 +115,16 @@ def _equal(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("case,size", [(case, "small") for case in CASES] +
-                         [("fp32_reshard_true", "large"), ("bf16_reduce_bf16", "large")])
+# The corners of the matrix: every path once (post-forward all-gather, cast and
+# padded reduce-scatter inputs, HSDP, dim-1 fallback, checkpointing with
+# accumulation) with small models, in-place inputs on the shared-memory path
+# with large ones.
+MATRIX = [(case, "small") for case in ("fp32_reshard_2", "bf16_reduce_fp32", "hsdp",
+                                       "checkpoint_accumulate", "shard_dim_1")] + \
+         [("fp32_reshard_false", "large"), ("bf16_reduce_bf16", "large")]
+
+
+@pytest.mark.parametrize("case,size", MATRIX)
 def test_per_parameter_collectives_change_no_number(case, size):
     pool = get_pool(4)
     runs = {

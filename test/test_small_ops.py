@@ -352,9 +352,8 @@ def test_coalesced_small_ops_join_the_bucket(pool2):
     pool2.run(check_coalesced_small_ops_join_the_bucket)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_coalesced_gathers_and_reduce_scatters_take_the_channel(world):
-    get_pool(world).run(check_coalesced_gathers_and_reduce_scatters_take_the_channel)
+def test_coalesced_gathers_and_reduce_scatters_take_the_channel():
+    get_pool(3).run(check_coalesced_gathers_and_reduce_scatters_take_the_channel)
 
 
 def test_different_ops_are_a_clear_error(pool2):

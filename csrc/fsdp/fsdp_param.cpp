@@ -171,11 +171,10 @@ void FsdpParam::drop_unsharded_of_stale_dtype() {
 void FsdpParam::use_host_shared_output(at::Tensor output) {
   TORCH_CHECK(!unsharded_tensor_.defined(), "fsdp_ext ", fqn_,
               ": host-shared parameters must be set before the first forward");
-  TORCH_CHECK(output.dim() == 1 && output.numel() == padded_sharded_data_.numel() * shard_world_size_ &&
+  TORCH_CHECK(output.dim() == 1 && output.numel() == all_gather_output_numel() &&
                   output.scalar_type() == unsharded_dtype(),
               "fsdp_ext ", fqn_, ": a host-shared all-gather output of ", output.numel(), " ",
-              output.scalar_type(), " for ", padded_sharded_data_.numel() * shard_world_size_,
-              " ", unsharded_dtype());
+              output.scalar_type(), " for ", all_gather_output_numel(), " ", unsharded_dtype());
   all_gather_output_ = std::move(output);
   host_shared_ = true;
 }
@@ -183,7 +182,7 @@ void FsdpParam::use_host_shared_output(at::Tensor output) {
 const at::Tensor& FsdpParam::allocated_all_gather_output() {
   if (host_shared_) return all_gather_output_;
   if (!all_gather_output_.defined()) {
-    all_gather_output_ = at::empty({padded_sharded_data_.numel() * shard_world_size_},
+    all_gather_output_ = at::empty({all_gather_output_numel()},
                                    padded_sharded_data_.options().dtype(unsharded_dtype()));
   } else {
     allocate_storage(all_gather_output_);

@@ -86,6 +86,10 @@ class FSDP_EXT_HIDDEN FsdpParam {
   const at::Tensor& all_gather_input() const;
   // The all-gather output with its storage allocated (created on first use).
   const at::Tensor& allocated_all_gather_output();
+  // Its elements: the padded parameter, every rank's padded shard.
+  int64_t all_gather_output_numel() const {
+    return padded_sharded_data_.numel() * shard_world_size_;
+  }
   // Host-shared parameters (host_shared_parameters.hpp): `output`, a view of
   // the memory every rank of the host maps, is the all-gather output from now
   // on and is never released. Before the unsharded parameter exists.

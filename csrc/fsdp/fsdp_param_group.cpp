@@ -198,12 +198,23 @@ void FsdpParamGroup::issue_per_parameter_all_gather(const CollectiveGroup& group
   pending.work = group.all_gather_coalesced(outputs, pending.inputs);
 }
 
+namespace {
+
+// A parameter's bytes in the host-shared region, and the room it takes there
+// (the next parameter starts 64-byte aligned).
+int64_t host_shared_param_bytes(const FsdpParam& param) {
+  return param.all_gather_output_numel() *
+         static_cast<int64_t>(c10::elementSize(param.unsharded_dtype()));
+}
+int64_t host_shared_param_room(const FsdpParam& param) {
+  return (host_shared_param_bytes(param) + 63) / 64 * 64;
+}
+
+}  // namespace
+
 int64_t FsdpParamGroup::host_shared_bytes() const {
   int64_t bytes = 0;
-  for (const auto& param : params_) {
-    const int64_t numel = param->padded_shard_numel() * shard_group_.size();
-    bytes += (numel * static_cast<int64_t>(c10::elementSize(param->unsharded_dtype())) + 63) / 64 * 64;
-  }
+  for (const auto& param : params_) bytes += host_shared_param_room(*param);
   return bytes;
 }
 
@@ -224,10 +235,9 @@ void FsdpParamGroup::use_host_shared(at::Tensor region, at::Tensor control,
   }
   int64_t offset = 0;
   for (const auto& param : params_) {
-    const int64_t numel = param->padded_shard_numel() * world;
-    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(param->unsharded_dtype()));
-    param->use_host_shared_output(region.narrow(0, offset, bytes).view(param->unsharded_dtype()));
-    offset += (bytes + 63) / 64 * 64;
+    param->use_host_shared_output(region.narrow(0, offset, host_shared_param_bytes(*param))
+                                      .view(param->unsharded_dtype()));
+    offset += host_shared_param_room(*param);
   }
   host_shared_ = std::make_unique<HostSharedParameters>(
       std::move(control), shard_group_.rank(), pids, timeout,
@@ -464,6 +474,7 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
   const bool average =
       world > 1 && factors.reduce_scatter_divide && *factors.reduce_scatter_divide == world &&
       !factors.pre_multiply && group.is_ours(device, CollectiveGroup::Purpose::kReduceScatter);
+  if (average) reduce.factors.reduce_scatter_divide.reset();
   if (world > 1 && !factors.pre_divide && !factors.pre_multiply &&
       per_parameter_on(group, CollectiveGroup::Purpose::kReduceScatter, /*from_sharded=*/true)) {
     reduce.output = group.buffer(row_numel, options, options_.allocate_from_group,
@@ -489,7 +500,6 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
       }
     }
     grads.clear();
-    if (average) reduce.factors.reduce_scatter_divide.reset();
     reduce.work = group.reduce_scatter_coalesced(outputs, reduce.member_inputs, average);
     reduce.params = std::move(params);
     comm_->add_reduce(std::move(reduce));
@@ -508,7 +518,6 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
   if (world > 1) {
     reduce.output = group.buffer(row_numel, options, options_.allocate_from_group,
                                  CollectiveGroup::Purpose::kReduceScatter);
-    if (average) reduce.factors.reduce_scatter_divide.reset();
     reduce.work = group.reduce_scatter(reduce.output, reduce.input, factors.pre_multiply, average);
   } else {
     // The shard is the whole gradient: nothing to reduce-scatter.

@@ -42,6 +42,7 @@ CollectiveGroup collective_group(const py::object& group) {
 }  // namespace
 
 void bind_fsdp_runtime(py::module_& m) {
+  m.attr("_HOST_SHARED_CONTROL_BYTES_PER_RANK") = fsdp::HostSharedParameters::kControlBytesPerRank;
   // The state enums, exported to users as torch_fsdp_ext.TrainingState /
   // ShardedState (upstream's member names and values).
   // Real enum.Enum classes (py::native_enum), as upstream's are.

@@ -19,10 +19,11 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from .. import _C
+
 logger = logging.getLogger("torch_fsdp_ext")
 
 _SHM_DIR = "/dev/shm"
-_CONTROL_BYTES_PER_RANK = 64  # HostSharedParameters::kControlBytesPerRank
 _PAGE = 4096
 
 
@@ -47,7 +48,7 @@ def _share(group, pg, label: str) -> None:
             "host-shared parameters need every rank of a shard group on one host (HSDP with "
             "a shard group per host works)"
         )
-    control_bytes = -(-n * _CONTROL_BYTES_PER_RANK // _PAGE) * _PAGE
+    control_bytes = -(-n * _C._HOST_SHARED_CONTROL_BYTES_PER_RANK // _PAGE) * _PAGE
     total = control_bytes + group.host_shared_bytes()
     path: list = [None]
     if rank == 0:

@@ -41,15 +41,19 @@ char* begin_with(SmallOpChannel& channel, uint64_t seq, SmallOp op, uint32_t det
                        contribution_bytes, seq);
 }
 
-// Copies `data` into the slot, scaled once on the way in for PREMUL_SUM.
-void contribute_for_reduction(SmallOpChannel& channel, uint64_t seq, SmallOp op,
-                              ConstSpan data, const ReduceSpec& spec) {
-  char* slot = begin_with(channel, seq, op, encode_reduction(spec), data.bytes, data.bytes);
+// Copies `data` to `slot`, scaled once on the way in for PREMUL_SUM.
+void copy_contribution(char* slot, ConstSpan data, const ReduceSpec& spec) {
   if (spec.pre_scale != 1.0) {
     scale_copy(slot, data.data, data.bytes / element_size(spec.type), spec.type, spec.pre_scale);
   } else if (data.bytes > 0) {
     std::memcpy(slot, data.data, data.bytes);
   }
+}
+
+void contribute_for_reduction(SmallOpChannel& channel, uint64_t seq, SmallOp op,
+                              ConstSpan data, const ReduceSpec& spec) {
+  copy_contribution(begin_with(channel, seq, op, encode_reduction(spec), data.bytes, data.bytes),
+                    data, spec);
   channel.publish();
 }
 
@@ -155,12 +159,7 @@ void start_small_reduce_scatter_bucket(SmallOpChannel& channel, uint64_t seq,
   char* slot = begin_with(channel, seq, SmallOp::kReduceScatter,
                           encode_reduction(spec, inputs.size()), total, total);
   for (const ConstSpan& input : inputs) {
-    if (spec.pre_scale != 1.0) {
-      scale_copy(slot, input.data, input.bytes / element_size(spec.type), spec.type,
-                 spec.pre_scale);
-    } else if (input.bytes > 0) {
-      std::memcpy(slot, input.data, input.bytes);
-    }
+    copy_contribution(slot, input, spec);
     slot += input.bytes;
   }
   channel.publish();

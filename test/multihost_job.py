@@ -118,7 +118,12 @@ def check_collectives(rank, world):
     # within each host whenever collectives go hierarchical.
     cpu = torch.device("cpu")
     backend = dist.group.WORLD._get_backend(cpu)
-    hierarchical = world > 2 and world % 2 == 0
+    # Hierarchical (and so shared memory within each host) when every host
+    # holds the same number of ranks, at least two.
+    hostnames = [None] * world
+    dist.all_gather_object(hostnames, socket.gethostname())
+    per_host = [hostnames.count(h) for h in set(hostnames)]
+    hierarchical = len(set(per_host)) == 1 and per_host[0] >= 2
     assert backend.supports_tensor_alloc(cpu) == hierarchical, (world, hierarchical)
     if hierarchical:
         for n in (1, 3, 8191, 300000):
@@ -144,7 +149,47 @@ def check_collectives(rank, world):
     dist.all_reduce(x)
     dist.all_reduce(y, group=gloo)
     expect("fsdp_ext vs gloo all_reduce", x, y)
-    report(rank, checked=checked + 2, host=socket.gethostname())
+    report(rank, checked=checked + 2, host=socket.gethostname(),
+           liveness=count_liveness_connections(rank, world, hostnames))
+
+
+def count_liveness_connections(rank, world, hostnames):
+    """Two more groups over every rank and one over the first and last rank
+    (on different hosts), then this process's liveness connections, counted
+    by the backend and by the kernel: they must be one per process on the
+    other host, shared by all the groups (comm/peer_liveness.h)."""
+    from torch_fsdp_ext import _C
+
+    groups = [dist.new_group(backend="fsdp_ext") for _ in range(2)]
+    groups.append(dist.new_group(ranks=[0, world - 1], backend="fsdp_ext"))
+    for group in groups:
+        if group != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.all_reduce(torch.ones(3), group=group)
+    endpoints = [None] * world
+    dist.all_gather_object(endpoints, _C._liveness_endpoint())
+    my_port = int(endpoints[rank].rsplit(":", 1)[1])
+    peer_ports = {int(e.rsplit(":", 1)[1]) for r, e in enumerate(endpoints) if r != rank}
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    sockets = 0
+    with open("/proc/self/net/tcp") as table:
+        for line in table.readlines()[1:]:
+            fields = line.split()
+            local_port = int(fields[1].split(":")[1], 16)
+            remote_port = int(fields[2].split(":")[1], 16)
+            established = fields[3] == "01"
+            if established and fields[9] in inodes and (local_port == my_port or
+                                                         remote_port in peer_ports):
+                sockets += 1
+    dist.barrier()
+    return {"backend": _C._liveness_connection_count(), "sockets": sockets,
+            "other_host_ranks": sum(h != hostnames[rank] for h in hostnames)}
 
 
 def train(rank, world, steps):

@@ -54,24 +54,30 @@ def expect_reports(host_results, reports, ranks):
     return reports
 
 
-@pytest.mark.parametrize("ranks_per_host", [1, 2, 3])
+@pytest.mark.parametrize("ranks_per_host", [1, 2, 3, (3, 1)], ids=["2x1", "2x2", "2x3", "3+1"])
 def test_every_collective_across_two_hosts(ranks_per_host):
+    counts = ranks_per_host if isinstance(ranks_per_host, tuple) else (ranks_per_host,) * 2
     with multihost.TwoHosts() as hosts:
         out, reports = run_job(hosts, ["--mode", "collectives"], ranks_per_host,
                                env={"TORCH_CPP_LOG_LEVEL": "INFO"}, timeout=300)
-    expect_reports(out, reports, range(2 * ranks_per_host))
+    expect_reports(out, reports, range(sum(counts)))
     assert all(h.returncode == 0 for h in out), [h.output[-3000:] for h in out]
     assert {r["host"] for r in reports.values()} == set(hosts.hostnames)
     assert all(r["checked"] > 0 for r in reports.values())
+    # Four fsdp_ext groups (and a gloo one) share one liveness connection per
+    # pair of processes on different hosts.
+    for r in reports.values():
+        live = r["liveness"]
+        assert live["backend"] == live["sockets"] == live["other_host_ranks"], live
     # Each rank's log line for the default group: two hosts, and TCP over the
     # link between them as what UCX chose for peers on the other host.
     for h in out:
         lines = [line for line in h.output.splitlines() if "fsdp_ext group '0'" in line]
-        assert len(lines) == ranks_per_host, h.output[-3000:]
+        assert len(lines) == counts[h.host], h.output[-3000:]
         for line in lines:
             assert ", 2 hosts, " in line, line
             assert re.search(r"UCX transports: .*tcp/\S+ \(other hosts\)$", line), line
-            if ranks_per_host > 1:
+            if counts[h.host] > 1:
                 assert "(this host)" in line, line
 
 

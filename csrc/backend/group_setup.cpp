@@ -201,7 +201,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     if (size >= 2 && environment.small_ops && environment.shared_memory) {
       small_ops_ = std::make_shared<comm::SmallOpChannel>(rank, size);
     }
-    comm::PeerLiveness liveness;
+    comm::PeerLiveness& liveness = comm::PeerLiveness::of_this_process();
     PeerIdentity mine{transport->worker_address(), this_host(), getpid(),
                       shared_memory_->probe_piece(),
                       reinterpret_cast<uint64_t>(&kProcessReadProbeValue), liveness.endpoint()};
@@ -233,17 +233,18 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     (*shared_ok)[0] = no_shared_memory.empty() ? 1 : 0;
     (*shared_ok)[1] = (*shared_ok)[0] && no_process_reads.empty() ? 1 : 0;
     (*shared_ok)[2] = (*shared_ok)[0] && no_small_ops.empty() ? 1 : 0;
-    // Peers on other hosts are watched through an idle TCP connection each;
-    // one that cannot be reached is not watched (its loss then surfaces at
-    // the op's timeout), which the group's log line says.
+    // Peers on other hosts are watched through an idle TCP connection per
+    // pair of processes, shared by all their groups; one that cannot be
+    // reached is not watched (its loss then surfaces at the op's timeout),
+    // which the group's log line says.
     std::vector<std::string> endpoints;
     for (const PeerIdentity& peer : peers) {
       endpoints.push_back(peer.liveness_endpoint);
       remote_peers.push_back(peer.host != peers[rank].host);
     }
-    liveness.connect(rank, endpoints, remote_peers,
-                     std::min(default_timeout_, std::chrono::milliseconds(10000)));
-    for (int peer : liveness.missing()) unwatched_peers += " " + std::to_string(peer);
+    comm::PeerLiveness::Connected watched = liveness.connect(
+        rank, endpoints, remote_peers, std::min(default_timeout_, std::chrono::milliseconds(10000)));
+    for (int peer : watched.missing) unwatched_peers += " " + std::to_string(peer);
     comm::EngineConfig config;
     config.topology = topology;
     config.rank = rank;
@@ -252,7 +253,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     config.spin = environment.spin;
     config.shared_memory = shared_memory_;
     config.small_ops = small_ops_;
-    config.liveness = liveness.take_connections();
+    config.liveness = std::move(watched.connections);
     config.explain_timeout = [this](const comm::EngineActivity& mine) {
       return activity_board_ ? activity_board_->describe_others(
                                    mine, [this](int peer) { return engine_->describe_peer(peer); })

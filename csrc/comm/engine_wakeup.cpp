@@ -74,28 +74,29 @@ EngineWakeup::EngineWakeup(int worker_fd)
 void EngineWakeup::notify_submitted() { signal(submit_event_); }
 void EngineWakeup::notify_abort() { signal(abort_event_); }
 
-void EngineWakeup::watch(int rank, UniqueFd fd, const char* how) {
+void EngineWakeup::watch(int rank, int fd, UniqueFd owned, const char* how) {
   const uint64_t data = kWatchedBase | watched_.size();
-  add_to_epoll(idle_epoll_, fd.get(), data);
-  add_to_epoll(busy_epoll_, fd.get(), data);
-  watched_.push_back(Watched{rank, std::move(fd), how});
+  add_to_epoll(idle_epoll_, fd, data);
+  add_to_epoll(busy_epoll_, fd, data);
+  watched_.push_back(Watched{rank, fd, std::move(owned), how});
 }
 
 bool EngineWakeup::watch_process(int rank, int pid) {
 #ifdef SYS_pidfd_open
   UniqueFd pidfd(static_cast<int>(syscall(SYS_pidfd_open, pid, 0)));
   if (!pidfd.valid()) return false;
-  watch(rank, std::move(pidfd), "exited (its process is gone)");
+  const int fd = pidfd.get();
+  watch(rank, fd, std::move(pidfd), "exited (its process is gone)");
   return true;
 #else
   return false;
 #endif
 }
 
-void EngineWakeup::watch_socket(int rank, UniqueFd socket) {
+void EngineWakeup::watch_socket(int rank, int socket) {
   // The peer never writes to it: readable means closed (the process
   // exited) or reset / timed out (the host or link is gone).
-  watch(rank, std::move(socket),
+  watch(rank, socket, UniqueFd(),
         "is gone (its liveness connection closed: the process exited, or its host or link "
         "stopped answering)");
 }
@@ -120,8 +121,8 @@ void EngineWakeup::sleep(Clock::time_point until, bool wake_on_submit) {
     if (watched.fired) continue;
     // Readable for good once the peer is gone: stop watching it.
     watched.fired = true;
-    remove_from_epoll(idle_epoll_, watched.fd.get());
-    remove_from_epoll(busy_epoll_, watched.fd.get());
+    remove_from_epoll(idle_epoll_, watched.fd);
+    remove_from_epoll(busy_epoll_, watched.fd);
     lost_.push_back(LostPeer{watched.rank, watched.how});
   }
 }

@@ -42,8 +42,9 @@ class EngineWakeup {
   // Starts watching the process `pid` (on this host) as `rank`. Returns
   // false when the kernel offers no pidfd or the process is already gone.
   bool watch_process(int rank, int pid);
-  // Starts watching `rank`'s liveness socket (takes it over).
-  void watch_socket(int rank, UniqueFd socket);
+  // Starts watching `rank`'s liveness socket, borrowed: it is shared with
+  // other groups' engines and outlives this one (peer_liveness.h).
+  void watch_socket(int rank, int socket);
 
   // Sleeps until a watched fd fires or `until` passes. New submissions wake
   // the thread only when `wake_on_submit` (it is idle, not inside an op).
@@ -65,11 +66,12 @@ class EngineWakeup {
   UniqueFd busy_epoll_;  // worker + abort + pidfds
   struct Watched {
     int rank;
-    UniqueFd fd;
+    int fd;
+    UniqueFd owned;  // the pidfds; liveness sockets are borrowed
     const char* how;  // what its firing means
     bool fired = false;
   };
-  void watch(int rank, UniqueFd fd, const char* how);
+  void watch(int rank, int fd, UniqueFd owned, const char* how);
   std::vector<Watched> watched_;
   std::vector<LostPeer> lost_;
 };

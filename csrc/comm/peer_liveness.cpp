@@ -136,7 +136,13 @@ bool recv_all(int fd, void* data, size_t bytes, Clock::time_point deadline) {
 
 }  // namespace
 
-PeerLiveness::PeerLiveness() : listener_(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)) {
+PeerLiveness& PeerLiveness::of_this_process() {
+  static PeerLiveness* const instance = new PeerLiveness();
+  return *instance;
+}
+
+PeerLiveness::PeerLiveness(const std::string& only_address)
+    : listener_(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)) {
   if (!listener_.valid()) throw_errno("socket");
   sockaddr_in any{};
   any.sin_family = AF_INET;
@@ -145,24 +151,51 @@ PeerLiveness::PeerLiveness() : listener_(socket(AF_INET, SOCK_STREAM | SOCK_NONB
   if (bind(listener_.get(), reinterpret_cast<sockaddr*>(&any), sizeof(any)) != 0) {
     throw_errno("bind (liveness socket)");
   }
-  if (listen(listener_.get(), 128) != 0) throw_errno("listen (liveness socket)");
+  if (listen(listener_.get(), 1024) != 0) throw_errno("listen (liveness socket)");
   socklen_t length = sizeof(any);
   getsockname(listener_.get(), reinterpret_cast<sockaddr*>(&any), &length);
-  std::string addresses;
-  for (const std::string& address : local_addresses()) {
+  std::string addresses = only_address;
+  for (const std::string& address : only_address.empty() ? local_addresses()
+                                                         : std::vector<std::string>{}) {
     addresses += (addresses.empty() ? "" : ",") + address;
   }
   endpoint_ = addresses + ":" + std::to_string(ntohs(any.sin_port));
 }
 
-void PeerLiveness::connect(int rank, const std::vector<std::string>& endpoints,
-                           const std::vector<bool>& remote, std::chrono::milliseconds budget) {
+size_t PeerLiveness::connection_count() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return by_endpoint_.size();
+}
+
+void PeerLiveness::accept_one(Clock::time_point deadline) {
+  pollfd waiter{listener_.get(), POLLIN, 0};
+  if (poll(&waiter, 1, std::min(remaining_ms(deadline), 50)) != 1) return;
+  UniqueFd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+  if (!fd.valid()) return;
+  uint32_t length = 0;
+  if (!recv_all(fd.get(), &length, sizeof(length), deadline) || length == 0 || length > 4096) {
+    return;
+  }
+  std::string hello(length, '\0');
+  if (!recv_all(fd.get(), hello.data(), length, deadline)) return;
+  make_liveness_socket(fd.get());
+  if (by_endpoint_.count(hello) != 0) {
+    duplicates_.push_back(std::move(fd));
+  } else {
+    by_endpoint_.emplace(std::move(hello), std::move(fd));
+  }
+}
+
+PeerLiveness::Connected PeerLiveness::connect(int rank, const std::vector<std::string>& endpoints,
+                                              const std::vector<bool>& remote,
+                                              std::chrono::milliseconds budget) {
+  std::lock_guard<std::mutex> lock(mutex_);
   const auto deadline = Clock::now() + budget;
   // Lower rank connects: the kernel completes the handshake from the
   // listen backlog, so every rank can connect before it accepts.
   for (int peer = rank + 1; peer < static_cast<int>(endpoints.size()); ++peer) {
-    if (!remote[peer]) continue;
     const std::string& endpoint = endpoints[peer];
+    if (!remote[peer] || by_endpoint_.count(endpoint) != 0) continue;
     const size_t colon = endpoint.rfind(':');
     const auto port = static_cast<uint16_t>(std::atoi(endpoint.c_str() + colon + 1));
     std::stringstream list(endpoint.substr(0, colon));
@@ -170,34 +203,33 @@ void PeerLiveness::connect(int rank, const std::vector<std::string>& endpoints,
     for (std::string address; !fd.valid() && std::getline(list, address, ',');) {
       fd = connect_to(address, port, deadline);
     }
-    const int32_t hello = rank;
-    if (fd.valid() && send_all(fd.get(), &hello, sizeof(hello), deadline)) {
+    const auto length = static_cast<uint32_t>(endpoint_.size());
+    if (fd.valid() && send_all(fd.get(), &length, sizeof(length), deadline) &&
+        send_all(fd.get(), endpoint_.data(), endpoint_.size(), deadline)) {
       make_liveness_socket(fd.get());
-      connections_.push_back(Connection{peer, std::move(fd)});
-    } else {
-      missing_.push_back(peer);
+      by_endpoint_.emplace(endpoint, std::move(fd));
     }
   }
-  int expected = 0;
-  for (int peer = 0; peer < rank; ++peer) expected += remote[peer] ? 1 : 0;
-  std::vector<bool> accepted(endpoints.size(), false);
-  while (expected > 0) {
-    pollfd waiter{listener_.get(), POLLIN, 0};
-    if (poll(&waiter, 1, remaining_ms(deadline)) != 1) break;
-    UniqueFd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
-    if (!fd.valid()) continue;
-    int32_t hello = -1;
-    if (!recv_all(fd.get(), &hello, sizeof(hello), deadline)) continue;
-    if (hello < 0 || hello >= rank || !remote[hello] || accepted[hello]) continue;
-    accepted[hello] = true;
-    make_liveness_socket(fd.get());
-    connections_.push_back(Connection{hello, std::move(fd)});
-    --expected;
+  // The lower ranks' connections (or ones made for another group, filed
+  // all the same) arrive on the listener.
+  auto all_lower_connected = [&] {
+    for (int peer = 0; peer < rank; ++peer) {
+      if (remote[peer] && by_endpoint_.count(endpoints[peer]) == 0) return false;
+    }
+    return true;
+  };
+  while (!all_lower_connected() && Clock::now() < deadline) accept_one(deadline);
+  Connected out;
+  for (int peer = 0; peer < static_cast<int>(endpoints.size()); ++peer) {
+    if (peer == rank || !remote[peer]) continue;
+    const auto found = by_endpoint_.find(endpoints[peer]);
+    if (found == by_endpoint_.end()) {
+      out.missing.push_back(peer);
+    } else {
+      out.connections.push_back(Connection{peer, found->second.get()});
+    }
   }
-  for (int peer = 0; peer < rank; ++peer) {
-    if (remote[peer] && !accepted[peer]) missing_.push_back(peer);
-  }
-  listener_.reset();
+  return out;
 }
 
 }  // namespace fsdp_ext::comm

@@ -58,7 +58,7 @@ ProgressEngine::ProgressEngine(EngineConfig config, std::unique_ptr<Transport> t
     }
   }
   for (PeerLiveness::Connection& connection : config_.liveness) {
-    wakeup_->watch_socket(connection.rank, std::move(connection.socket));
+    wakeup_->watch_socket(connection.rank, connection.socket);
   }
   config_.liveness.clear();
   thread_ = std::thread([this] { thread_main(); });

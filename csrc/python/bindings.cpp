@@ -10,6 +10,7 @@
 #include "comm/algorithm_selection.h"
 #include "comm/algorithms/small_ops.h"
 #include "comm/memory_limits.h"
+#include "comm/peer_liveness.h"
 #include "fsdp/copy_kernels.hpp"
 
 namespace py = pybind11;
@@ -108,6 +109,15 @@ PYBIND11_MODULE(_C, m) {
       "all-gather output / reduce-scatter input / buffer) in a group of `group_size`\n"
       "whose ranks do (or do not) share memory; \"channel\" where a group with the\n"
       "small-op channel on (one host) completes the op through it.");
+
+  // This process's liveness connections (comm/peer_liveness.h), for tests.
+  m.def(
+      "_liveness_endpoint", [] { return fsdp_ext::comm::PeerLiveness::of_this_process().endpoint(); },
+      "Where peers on other hosts connect to watch this process: \"ip,...:port\".");
+  m.def(
+      "_liveness_connection_count",
+      [] { return fsdp_ext::comm::PeerLiveness::of_this_process().connection_count(); },
+      "How many peer processes this process holds a liveness connection to.");
 
   // The benchmark's physical references (comm/memory_limits.h).
   m.def("_concurrent_peer_copy_seconds", &fsdp_ext::comm::concurrent_peer_copy_seconds,

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <memory>
 #include <thread>
 
 #include "comm/engine_wakeup.h"
@@ -107,46 +108,72 @@ TEST(EngineWakeup, WatchingAProcessThatDoesNotExistFails) {
 }
 
 TEST(PeerLiveness, LoopbackPairConnectsAndAClosedEndIsReported) {
-  setenv("UCX_NET_DEVICES", "all", 1);
-  PeerLiveness first, second;
-  // Loopback only has 127.0.0.1: publish it explicitly for this test.
-  const std::string ends[2] = {"127.0.0.1:" + first.endpoint().substr(first.endpoint().rfind(':') + 1),
-                               "127.0.0.1:" + second.endpoint().substr(second.endpoint().rfind(':') + 1)};
-  const std::vector<std::string> endpoints(ends, ends + 2);
+  // Two registries stand for two processes; loopback is their "network".
+  PeerLiveness first("127.0.0.1");
+  auto second = std::make_unique<PeerLiveness>("127.0.0.1");
+  const std::vector<std::string> endpoints = {first.endpoint(), second->endpoint()};
   const std::vector<bool> remote = {true, true};
-  std::thread higher([&] { second.connect(1, endpoints, remote, std::chrono::seconds(5)); });
-  first.connect(0, endpoints, remote, std::chrono::seconds(5));
+  PeerLiveness::Connected theirs;
+  std::thread higher([&] { theirs = second->connect(1, endpoints, remote, std::chrono::seconds(5)); });
+  const PeerLiveness::Connected mine = first.connect(0, endpoints, remote, std::chrono::seconds(5));
   higher.join();
-  EXPECT_TRUE(first.missing().empty());
-  EXPECT_TRUE(second.missing().empty());
-  auto mine = first.take_connections();
-  auto theirs = second.take_connections();
-  ASSERT_EQ(mine.size(), 1u);
-  ASSERT_EQ(theirs.size(), 1u);
-  EXPECT_EQ(mine[0].rank, 1);
-  EXPECT_EQ(theirs[0].rank, 0);
+  EXPECT_TRUE(mine.missing.empty());
+  EXPECT_TRUE(theirs.missing.empty());
+  ASSERT_EQ(mine.connections.size(), 1u);
+  ASSERT_EQ(theirs.connections.size(), 1u);
+  EXPECT_EQ(mine.connections[0].rank, 1);
+  EXPECT_EQ(theirs.connections[0].rank, 0);
 
   QuietFd worker;
   EngineWakeup wakeup(worker.fds[0]);
-  wakeup.watch_socket(1, std::move(mine[0].socket));
+  wakeup.watch_socket(1, mine.connections[0].socket);
   wakeup.sleep(Clock::now() + std::chrono::milliseconds(20), false);
   EXPECT_TRUE(wakeup.take_lost_peers().empty()) << "an open connection is not a loss";
-  theirs[0].socket.reset();  // the peer's process is gone: its kernel closes it
+  second.reset();  // the peer's process is gone: its kernel closes its end
   const auto lost = sleep_until_lost(wakeup, std::chrono::seconds(5));
   ASSERT_EQ(lost.size(), 1u);
   EXPECT_EQ(lost[0].rank, 1);
 }
 
+TEST(PeerLiveness, LaterGroupsShareTheConnectionOfAPairOfProcesses) {
+  PeerLiveness first("127.0.0.1"), second("127.0.0.1");
+  const std::vector<bool> remote = {true, true};
+  // Three groups over the same two processes, with their ranks in either
+  // order: one connection between them in all.
+  std::vector<int> mine, theirs;
+  for (int group = 0; group < 3; ++group) {
+    const bool swapped = group == 1;
+    PeerLiveness& low = swapped ? second : first;
+    PeerLiveness& high = swapped ? first : second;
+    const std::vector<std::string> endpoints = {low.endpoint(), high.endpoint()};
+    PeerLiveness::Connected high_side;
+    std::thread higher([&] { high_side = high.connect(1, endpoints, remote, std::chrono::seconds(5)); });
+    const PeerLiveness::Connected low_side = low.connect(0, endpoints, remote, std::chrono::seconds(5));
+    higher.join();
+    ASSERT_EQ(low_side.connections.size(), 1u);
+    ASSERT_EQ(high_side.connections.size(), 1u);
+    mine.push_back((swapped ? high_side : low_side).connections[0].socket);
+    theirs.push_back((swapped ? low_side : high_side).connections[0].socket);
+  }
+  EXPECT_EQ(first.connection_count(), 1u);
+  EXPECT_EQ(second.connection_count(), 1u);
+  EXPECT_EQ(mine, std::vector<int>(3, mine[0]));
+  EXPECT_EQ(theirs, std::vector<int>(3, theirs[0]));
+}
+
 TEST(PeerLiveness, AnUnreachablePeerIsMissingNotAnError) {
-  PeerLiveness lone;
+  PeerLiveness lone("127.0.0.1");
   // Port 1 on loopback: refused at once.
   const std::vector<std::string> endpoints = {"127.0.0.1:1", lone.endpoint()};
   const std::vector<bool> remote = {true, true};
-  lone.connect(1, endpoints, remote, std::chrono::milliseconds(300));  // expects rank 0 to call
-  EXPECT_EQ(lone.missing(), std::vector<int>{0});
-  PeerLiveness caller;
-  caller.connect(0, {caller.endpoint(), "127.0.0.1:1"}, remote, std::chrono::milliseconds(300));
-  EXPECT_EQ(caller.missing(), std::vector<int>{1});
+  // Expects rank 0 to connect, which never happens.
+  EXPECT_EQ(lone.connect(1, endpoints, remote, std::chrono::milliseconds(300)).missing,
+            std::vector<int>{0});
+  PeerLiveness caller("127.0.0.1");
+  EXPECT_EQ(caller.connect(0, {caller.endpoint(), "127.0.0.1:1"}, remote,
+                           std::chrono::milliseconds(300)).missing,
+            std::vector<int>{1});
+  EXPECT_EQ(caller.connection_count(), 0u);
 }
 
 }  // namespace

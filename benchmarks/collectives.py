@@ -222,14 +222,58 @@ def run_on_two_hosts(ranks_per_host, ops, sizes, repeats, netem):
 
     with tempfile.TemporaryDirectory() as tmp, multihost.TwoHosts(**netem) as hosts:
         result_file = os.path.join(tmp, "rows.json")
-        args = ["--torchrun-worker", result_file, "--repeats", str(repeats), "--max-bytes",
-                str(sizes[-1]), "--ops", *ops]
+        args = ["--torchrun-worker", result_file, "--repeats", str(repeats), "--min-bytes",
+                str(sizes[0]), "--max-bytes", str(sizes[-1]), "--ops", *ops]
+        link = measure_link_limits(hosts, ranks_per_host)
         out = hosts.torchrun(os.path.abspath(__file__), args, ranks_per_host, timeout=3600)
         if not os.path.exists(result_file):
             raise SystemExit("the two-host run failed:\n" + "\n".join(h.output[-4000:]
                                                                        for h in out))
+        # Again after the collectives: the limit is the best the link gave
+        # around them.
+        after = measure_link_limits(hosts, ranks_per_host)
+        link = {key: max(link[key], after[key]) for key in link}
+        print(f"{ranks_per_host} rank(s) per host: plain TCP between the hosts, GB/s per "
+              f"direction (best of {2 * LINK_ROUNDS} rounds): "
+              + ", ".join(f"{key} {value:.2f}" for key, value in link.items()))
         with open(result_file) as f:
-            return json.load(f)
+            rows = json.load(f)
+        for row in rows:
+            row["link_GBps"] = link
+        return rows
+
+
+LINK_ROUNDS = 3
+
+
+def measure_link_limits(hosts, ranks_per_host):
+    """What plain TCP carries between the hosts (benchmarks/_tcp_link.py):
+    one way and both ways at once, with one stream and with as many as our
+    collectives use (one per pair of ranks at the same position on the two
+    hosts); the best of LINK_ROUNDS rounds each."""
+    from _tcp_link import measure_link
+
+    limits = {}
+    for both_ways in (False, True):
+        for streams in sorted({1, ranks_per_host}):
+            key = f"{'both ways' if both_ways else 'one way'}, {streams} stream" + \
+                ("s" if streams > 1 else "")
+            limits[key] = max(measure_link(hosts, streams, both_ways)
+                              for _ in range(LINK_ROUNDS))
+    return limits
+
+
+def link_traffic(op, nbytes, hosts):
+    """(bytes that must cross the link in each direction, whether the op
+    sends both ways): all-gather and reduce-scatter move the other hosts'
+    share, all-reduce twice that, broadcast the whole message one way. With
+    one rank per host this is nccl-tests' bus bandwidth numerator."""
+    share = nbytes * (hosts - 1) / hosts
+    if op == "all_reduce":
+        return 2 * share, True
+    if op == "broadcast":
+        return nbytes, False
+    return share, True
 
 
 def measure_memcpy(sizes):
@@ -301,6 +345,18 @@ def summarize(entry, memcpy, limits=None):
     if "fsdp_ext+alloc" in med:
         row["fsdp_ext+alloc_worst_over_median"] = (max(entry["seconds"]["fsdp_ext+alloc"])
                                                    / med["fsdp_ext+alloc"])
+    if "link_GBps" in entry:
+        # Against what plain TCP carried between the hosts in the same run,
+        # in the op's pattern (both directions at once, or one), with as
+        # many streams as helped.
+        crossing, both_ways = link_traffic(op, nbytes, 2)
+        pattern = "both ways" if both_ways else "one way"
+        limit = max(v for k, v in entry["link_GBps"].items() if k.startswith(pattern))
+        row["link_limit_GBps"] = limit
+        row["ranks_per_host"] = n // 2
+        for name in med:
+            row[f"{name}_link_GBps"] = crossing / med[name] / 1e9
+            row[f"{name}_over_link"] = crossing / med[name] / 1e9 / limit
     if limits is not None:
         # Against what ranks reading each other's memory can reach at this
         # size (each rank copying the message once), and for latency against
@@ -343,6 +399,44 @@ def print_table(rows):
               + f"{r['fsdp_ext_worst_over_median']:>7.2f}")
 
 
+def print_link_table(rows):
+    """The two-host rows: each contender's bytes across the link per second
+    (link_traffic) and that as a fraction of what plain TCP carried."""
+    header = (f"{'op':<34}{'hxr':>4}{'size':>9}  {'algo':<7}{'ours us':>10}{'alloc us':>10}"
+              f"{'gloo us':>11}{'vs gloo':>8}{'link GB/s':>10}{'gloo':>7}{'limit':>7}"
+              f"{'%limit':>7}{'%alloc':>7}{'%gloo':>7}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        alloc = "fsdp_ext+alloc_us" in r
+        best = min(r["fsdp_ext_us"], r.get("fsdp_ext+alloc_us", float("inf")))
+        print(f"{r['op']:<34}{'2x' + str(r['ranks_per_host']):>4}{human(r['bytes']):>9}  "
+              f"{r['algorithm']:<7}{r['fsdp_ext_us']:>10.1f}"
+              f"{format(r['fsdp_ext+alloc_us'], '.1f') if alloc else '-':>10}"
+              f"{r['gloo_us']:>11.1f}{r['gloo_us'] / best:>7.2f}x{r['fsdp_ext_link_GBps']:>10.2f}"
+              f"{r['gloo_link_GBps']:>7.2f}{r['link_limit_GBps']:>7.2f}"
+              f"{r['fsdp_ext_over_link']:>7.0%}"
+              f"{format(r['fsdp_ext+alloc_over_link'], '.0%') if alloc else '-':>7}"
+              f"{r['gloo_over_link']:>7.0%}")
+
+
+def link_targets(rows):
+    """Issue 26's targets, checked on ordinary tensors (what a user gets):
+    >= 50 % of the link at 1 MiB, >= 80 % from 16 MiB, never slower than
+    gloo. Returns one line per miss (an empty list: all met)."""
+    misses = []
+    for r in rows:
+        where = f"{r['op']} 2x{r['ranks_per_host']} {human(r['bytes'])}"
+        if r["fsdp_ext_us"] > r["gloo_us"]:
+            misses.append(f"{where}: slower than gloo ({r['fsdp_ext_us']:.0f} vs "
+                          f"{r['gloo_us']:.0f} us)")
+        want = 0.8 if r["bytes"] >= 16 << 20 else 0.5 if r["bytes"] >= 1 << 20 else None
+        if want is not None and r["fsdp_ext_over_link"] < want:
+            misses.append(f"{where}: {r['fsdp_ext_over_link']:.0%} of the link (target "
+                          f"{want:.0%})")
+    return misses
+
+
 def plot(rows, memcpy, path, where="on one host (2 cores)", limits=None):
     import matplotlib
 
@@ -361,12 +455,17 @@ def plot(rows, memcpy, path, where="on one host (2 cores)", limits=None):
             ax = axes[i][j]
             mine = [r for r in rows if r["op"] == op and r["world_size"] == world]
             sizes = [r["bytes"] for r in mine]
+            across = bool(mine) and "link_limit_GBps" in mine[0]
             for name, (label, color, style) in styles.items():
-                key = f"{name}_busbw_GBps"
+                key = f"{name}_link_GBps" if across else f"{name}_busbw_GBps"
                 if mine and key in mine[0]:
                     ax.plot(sizes, [r[key] for r in mine], style, color=color, label=label, ms=4)
-            ax.plot(sorted(memcpy), [memcpy[s] for s in sorted(memcpy)], "k--",
-                    label="single-core memcpy", lw=1)
+            if across:
+                ax.axhline(mine[0]["link_limit_GBps"], color="k", ls="--", lw=1,
+                           label="plain TCP between the hosts (best round)")
+            else:
+                ax.plot(sorted(memcpy), [memcpy[s] for s in sorted(memcpy)], "k--",
+                        label="single-core memcpy", lw=1)
             if limits is not None and world in limits["copy_GBps"]:
                 copy = limits["copy_GBps"][world]
                 ax.plot(sorted(copy), [copy[s] for s in sorted(copy)], "k:", lw=1.5,
@@ -375,7 +474,8 @@ def plot(rows, memcpy, path, where="on one host (2 cores)", limits=None):
             ax.set_yscale("log")
             ax.set_title(f"{op}, {world} ranks")
             ax.set_xlabel("message size (bytes)")
-            ax.set_ylabel("bus bandwidth (GB/s)")
+            ax.set_ylabel("bytes across the link per second (GB/s)" if across
+                          else "bus bandwidth (GB/s)")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
     fig.suptitle(f"fsdp_ext vs gloo {where}: bus bandwidth against message size")
@@ -421,11 +521,22 @@ def main():
         netem = {"rate_mbit": args.netem_rate_mbit, "delay_ms": args.netem_delay_ms}
         for per_host in args.ranks_per_host:
             results = run_on_two_hosts(per_host, args.ops, sizes, args.repeats, netem)
+            if args.netem_rate_mbit:
+                for entry in results:
+                    entry["shaped_rate_mbit"] = args.netem_rate_mbit
             rows.extend(summarize(entry, memcpy) for entry in results)
     for world in (args.world_sizes if args.hosts == 1 else []):
         results = run_ranks(world, _worker, args.ops, sizes, args.repeats, args.pin_ranks)
         rows.extend(summarize(entry, memcpy, limits) for entry in results)
-    print_table(rows)
+    if args.hosts == 2:
+        print_link_table(rows)
+        misses = link_targets(rows)
+        print("\ntargets (>= 50 % of the link at 1 MiB, >= 80 % from 16 MiB, never slower than "
+              "gloo): " + ("all met" if not misses else f"{len(misses)} missed"))
+        for line in misses:
+            print("  missed: " + line)
+    else:
+        print_table(rows)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump({"rows": rows, "memcpy_GBps": memcpy, "repeats": args.repeats,

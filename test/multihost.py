@@ -39,6 +39,16 @@ def available():
     return made
 
 
+def _netem_available():
+    probe = f"fxnetem{os.getpid()}"
+    try:
+        _run("ip", "netns", "add", probe)
+        return subprocess.run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo",
+                               "root", "netem", "delay", "1ms"], capture_output=True).returncode == 0
+    finally:
+        subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
+
+
 @dataclass
 class HostResult:
     host: int
@@ -54,9 +64,9 @@ def _run(*cmd):
 class TwoHosts:
     """Two network namespaces and a veth link between them.
 
-    ``delay_ms`` / ``rate_mbit`` shape the link with ``tc netem`` (both
-    directions) to emulate a real network; unset, the link is as fast as the
-    kernel's veth.
+    ``delay_ms`` / ``rate_mbit`` shape the link (both directions) to emulate
+    a real network: netem for a delay, a token bucket (tbf) for a rate alone;
+    unset, the link is as fast as the kernel's veth.
     """
 
     def __init__(self, delay_ms=None, rate_mbit=None):
@@ -93,13 +103,25 @@ class TwoHosts:
             _run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", LINK)
             _run("ip", "-n", ns, "link", "set", LINK, "up")
             if self._delay_ms or self._rate_mbit:
-                shape = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", LINK, "root",
-                         "netem"]
-                if self._delay_ms:
-                    shape += ["delay", f"{self._delay_ms}ms"]
-                if self._rate_mbit:
-                    shape += ["rate", f"{self._rate_mbit}mbit"]
-                _run(*shape)
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", LINK, "root",
+                     *self._shaping())
+
+    def _shaping(self):
+        """The qdisc that shapes each end of the link: netem for a delay (with
+        its rate, if any), a token bucket for a rate alone. Some kernels have
+        no netem (this VM's: 'Specified qdisc kind is unknown'); a rate then
+        still works, and a delay is refused with a clear error."""
+        if self._delay_ms:
+            if not _netem_available():
+                raise RuntimeError(f"--netem-delay-ms {self._delay_ms}: this kernel has no netem "
+                                   "qdisc (sch_netem), so a link delay cannot be emulated here")
+            shape = ["netem", "delay", f"{self._delay_ms}ms"]
+            return shape + (["rate", f"{self._rate_mbit}mbit"] if self._rate_mbit else [])
+        # Bucket: 4 ms of the rate and at least a few GSO segments (veth
+        # passes 64 KiB segments); queue: 20 ms of the rate.
+        rate_bytes = self._rate_mbit * 1e6 / 8
+        burst = max(int(rate_bytes * 0.004), 256 << 10)
+        return ["tbf", "rate", f"{self._rate_mbit}mbit", "burst", str(burst), "latency", "20ms"]
 
     def link_down(self, host):
         """Takes host's end of the link down: the other host can no longer reach it."""
@@ -132,11 +154,14 @@ class TwoHosts:
         return env
 
     def start_torchrun(self, script, args=(), ranks_per_host=1, env=None, port=29500):
-        """Starts one torchrun per host; returns the two Popen objects."""
+        """Starts one torchrun per host; returns the two Popen objects.
+        ``ranks_per_host``: the same count on both hosts, or a pair (3, 1)."""
+        counts = ranks_per_host if isinstance(ranks_per_host, (tuple, list)) else \
+            (ranks_per_host, ranks_per_host)
         procs = []
         for host in (0, 1):
             argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                    "--node-rank", str(host), "--nproc-per-node", str(ranks_per_host),
+                    "--node-rank", str(host), "--nproc-per-node", str(counts[host]),
                     "--master-addr", self.addresses[0], "--master-port", str(port),
                     "--max-restarts", "0", script, *args]
             procs.append(self.popen(host, argv, env=self.job_env(env), stdout=subprocess.PIPE,

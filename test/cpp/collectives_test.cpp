@@ -511,6 +511,164 @@ TEST_P(MismatchedSizes, FailEveryRankWithoutHanging) {
   EXPECT_GE(mismatches, 1);
 }
 
+// Note [pipelined hierarchical phases]: buckets cut into 1 MiB pieces whose
+// phases overlap, over 2 and 3 pretend hosts. Blocks just past two pieces
+// (a last piece of one element), three pieces and three elements, and a
+// bucket of a float member and a double member, each cut at its own piece
+// boundaries. Each op must have gone pipelined: one sequence-number block for the
+// column and one per piece, instead of two blocks in all.
+class PipelinedPhases : public ::testing::TestWithParam<std::pair<int, int>> {
+ protected:
+  void SetUp() override {
+    LoopbackOptions options;
+    options.hosts = GetParam().second;
+    group_ = std::make_unique<LoopbackGroup>(GetParam().first, options);
+  }
+  // Expects the op `name` that ran between `before` and now to have used
+  // at least `pieces` + 1 phases' sequence numbers.
+  void expect_pipelined(const char* name, uint64_t before, size_t pieces) {
+    EXPECT_GE(group_->engine(0).sequences_used() - before, (pieces + 1) * kSeqsPerPhase)
+        << name << " did not run pipelined";
+  }
+  std::unique_ptr<LoopbackGroup> group_;
+};
+
+constexpr size_t kFloatsPerPiece = (size_t{1} << 20) / sizeof(float);
+const std::vector<size_t> kPipelinedCounts = {2 * kFloatsPerPiece + 1, 3 * kFloatsPerPiece + 3};
+
+TEST_P(PipelinedPhases, AllgatherReduceScatterAndAverage) {
+  LoopbackGroup& group = *group_;
+  const int n = group.size();
+  for (size_t count : kPipelinedCounts) {
+    const size_t pieces = (count + kFloatsPerPiece - 1) / kFloatsPerPiece;
+    std::vector<std::vector<float>> inputs(n), gathered(n), full(n), summed(n), averaged(n);
+    for (int r = 0; r < n; ++r) {
+      inputs[r] = filled(count, r);
+      gathered[r].assign(count * n, -1.0f);
+      full[r] = filled(count * n, r);
+      summed[r].assign(count, -1.0f);
+      averaged[r].assign(count, -1.0f);
+    }
+    uint64_t before = group.engine(0).sequences_used();
+    group.run_ok("allgather", [&](int r, OpContext& context) {
+      std::vector<MutableSpan> blocks;
+      for (int p = 0; p < n; ++p) {
+        blocks.push_back(MutableSpan{gathered[r].data() + p * count, count * sizeof(float)});
+      }
+      allgather(context, ConstSpan{inputs[r].data(), count * sizeof(float)}, blocks);
+    });
+    expect_pipelined("allgather", before, pieces);
+    for (const bool average : {false, true}) {
+      before = group.engine(0).sequences_used();
+      group.run_ok("reduce_scatter", [&](int r, OpContext& context) {
+        std::vector<ConstSpan> blocks;
+        for (int p = 0; p < n; ++p) {
+          blocks.push_back(ConstSpan{full[r].data() + p * count, count * sizeof(float)});
+        }
+        ReduceSpec spec{DataType::kFloat32, ReduceKind::kSum};
+        if (average) spec.post_divisor = n;
+        reduce_scatter(context, blocks,
+                       MutableSpan{(average ? averaged : summed)[r].data(), count * sizeof(float)},
+                       spec);
+      });
+      expect_pipelined("reduce_scatter", before, pieces);
+    }
+    for (int r = 0; r < n; ++r) {
+      for (int p = 0; p < n; ++p) {
+        EXPECT_EQ(first_mismatch(gathered[r].data() + p * count, count,
+                                 [&](size_t i) { return value(p, i); }),
+                  -1)
+            << "allgather: rank " << r << ", block of rank " << p << ", " << count << " floats";
+      }
+      const size_t offset = static_cast<size_t>(r) * count;
+      EXPECT_EQ(first_mismatch(summed[r].data(), count,
+                               [&](size_t i) { return sum_of_values(n, offset + i); }),
+                -1)
+          << "reduce_scatter sum: rank " << r << ", " << count << " floats";
+      // The sums are exact, so the true division gives the same bits
+      // whatever the order of the additions.
+      EXPECT_EQ(first_mismatch(averaged[r].data(), count,
+                               [&](size_t i) {
+                                 return sum_of_values(n, offset + i) / static_cast<float>(n);
+                               }),
+                -1)
+          << "reduce_scatter average: rank " << r << ", " << count << " floats";
+    }
+  }
+}
+
+TEST_P(PipelinedPhases, BucketOfMixedMembers) {
+  LoopbackGroup& group = *group_;
+  const int n = group.size();
+  const size_t floats = 300001, doubles = 300003;  // 1.2 MB and 2.4 MB per block
+  std::vector<std::vector<float>> small(n), small_out(n);
+  std::vector<std::vector<double>> large(n), large_out(n);
+  for (int r = 0; r < n; ++r) {
+    small[r] = filled(floats * n, r);
+    large[r].resize(doubles * n);
+    for (size_t i = 0; i < large[r].size(); ++i) large[r][i] = value(r, i);
+    small_out[r].assign(floats, -1.0f);
+    large_out[r].assign(doubles, -1.0);
+  }
+  const uint64_t before = group.engine(0).sequences_used();
+  group.run_ok("reduce_scatter bucket", [&](int r, OpContext& context) {
+    std::vector<ReduceScatterMember> bucket(2);
+    for (int p = 0; p < n; ++p) {
+      bucket[0].inputs.push_back(ConstSpan{small[r].data() + p * floats, floats * sizeof(float)});
+      bucket[1].inputs.push_back(
+          ConstSpan{large[r].data() + p * doubles, doubles * sizeof(double)});
+    }
+    bucket[0].output = MutableSpan{small_out[r].data(), floats * sizeof(float)};
+    bucket[1].output = MutableSpan{large_out[r].data(), doubles * sizeof(double)};
+    bucket[0].spec = ReduceSpec{DataType::kFloat32, ReduceKind::kSum};
+    bucket[1].spec = ReduceSpec{DataType::kFloat64, ReduceKind::kSum};
+    reduce_scatter(context, bucket);
+  });
+  expect_pipelined("reduce_scatter bucket", before, 5);  // 2 + 3 pieces
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(first_mismatch(small_out[r].data(), floats,
+                             [&](size_t i) { return sum_of_values(n, r * floats + i); }),
+              -1)
+        << "float member, rank " << r;
+    EXPECT_EQ(first_mismatch(large_out[r].data(), doubles,
+                             [&](size_t i) {
+                               return static_cast<double>(sum_of_values(n, r * doubles + i));
+                             }),
+              -1)
+        << "double member, rank " << r;
+  }
+}
+
+TEST_P(PipelinedPhases, BroadcastFromRootsOnEachHost) {
+  LoopbackGroup& group = *group_;
+  const int n = group.size();
+  const size_t bytes = (size_t{2} << 20) + 5;  // three pieces, the last of 5 bytes
+  for (int root : {n - 1, 1}) {
+    std::vector<std::vector<uint8_t>> data(n);
+    for (int r = 0; r < n; ++r) {
+      data[r].resize(bytes);
+      for (size_t i = 0; i < bytes; ++i) data[r][i] = byte_value(r, i);
+    }
+    const uint64_t before = group.engine(0).sequences_used();
+    group.run_ok("broadcast", [&](int r, OpContext& context) {
+      broadcast(context, MutableSpan{data[r].data(), bytes}, root);
+    });
+    expect_pipelined("broadcast", before, 3);
+    for (int r = 0; r < n; ++r) {
+      EXPECT_EQ(first_mismatch(data[r].data(), bytes, [&](size_t i) { return byte_value(root, i); }),
+                -1)
+          << "rank " << r << ", root " << root;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(PretendHosts, PipelinedPhases,
+                         ::testing::Values(std::make_pair(4, 2), std::make_pair(6, 3)),
+                         [](const auto& info) {
+                           return "pipelined_" + std::to_string(info.param.first) + "ranks_" +
+                                  std::to_string(info.param.second) + "hosts";
+                         });
+
 std::vector<Case> flat_cases() {
   std::vector<Case> cases;
   for (const char* algorithm : {"auto", "direct", "ring", "shm"}) {

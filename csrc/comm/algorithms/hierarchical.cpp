@@ -15,7 +15,9 @@
 //
 // Each phase is an OpContext::sub_group with sequence numbers of its own and
 // runs the usual algorithm choice for its size (shared memory for the local
-// phases when the group enabled it). Pre-scaling (PREMUL_SUM) applies in the
+// phases when the group enabled it).
+//
+// Large buckets are pipelined (Note [pipelined hierarchical phases]). Pre-scaling (PREMUL_SUM) applies in the
 // first reduction, post-scaling (AVG) in the last, so each happens once.
 // Reductions are sums of partial sums (host order after the local order):
 // deterministic and identical on every rank, though not bit-identical to a
@@ -47,6 +49,195 @@ OpContext column_phase(OpContext& context, const HostTopology& topology, int loc
   return context.sub_group(topology.column(local), nullptr);
 }
 
+// Note [pipelined hierarchical phases]
+// Run one phase after the other and the link idles while a host works in
+// shared memory, and the host idles while the link carries the bucket. So a
+// bucket with more than two pieces' worth of bytes per block
+// (detail::kPipelinePieceBytes) is cut into pieces, and the phases of
+// consecutive pieces overlap:
+//
+//   all-gather     : every piece's column messages are posted at once; each
+//                    piece's local all-gather runs as soon as its column
+//                    pieces are in, while the later ones are on the wire.
+//   reduce-scatter : piece k's local reduce-scatter, then its partial sums go
+//                    out to the column peers at once; piece k-1's arrivals
+//                    are added into the output while piece k+1 is reduced
+//                    locally.
+//   broadcast      : the root's column member sends every piece at once; each
+//                    column member broadcasts a piece within its host as soon
+//                    as it is in.
+//
+// Ordering: each piece's local phase is a sub_group of its own (its own
+// sequence numbers, reserved alike on every rank because every rank cuts the
+// same pieces); the column messages of the whole op share one column
+// sub_group, told apart by the piece's index as the step. A piece's sums are
+// taken in the order the unpipelined path's direct column phase takes them
+// (own partial, then the other hosts in host order): with two hosts, results
+// do not depend on pipelining.
+// Buffers: every piece's partial sums and arrivals have scratch of their
+// own, alive until the op ends, so nothing is overwritten while a send of
+// it may still be in flight.
+
+struct PieceOfMember {
+  size_t member;
+  detail::Piece piece;
+};
+
+// The pieces of every member, in order; empty when the bucket is too small
+// to gain from pipelining or has more pieces than the column's steps.
+template <typename Member, typename Bytes>
+std::vector<PieceOfMember> pipeline_pieces(const std::vector<Member>& bucket, Bytes block_bytes,
+                                           size_t element_of_all) {
+  std::vector<PieceOfMember> pieces;
+  size_t total = 0;
+  for (size_t m = 0; m < bucket.size(); ++m) {
+    const size_t bytes = block_bytes(bucket[m]);
+    total += bytes;
+    for (const detail::Piece& piece : detail::pieces_of(bytes, element_of_all)) {
+      pieces.push_back(PieceOfMember{m, piece});
+    }
+  }
+  if (total <= 2 * detail::kPipelinePieceBytes || pieces.size() >= tag::kMaxSteps) return {};
+  return pieces;
+}
+
+// Pieces must be whole elements of every member; 16 bytes is a multiple of
+// every supported element size, and kPipelinePieceBytes is a multiple of 16.
+constexpr size_t kPieceAlignment = 16;
+
+bool pipelined_allgather(OpContext& context, const HostTopology& topology,
+                         const std::vector<AllgatherMember>& bucket) {
+  const std::vector<PieceOfMember> pieces = pipeline_pieces(
+      bucket, [](const AllgatherMember& m) { return m.input.bytes; }, kPieceAlignment);
+  if (pieces.empty()) return false;
+  const auto& hosts = topology.hosts;
+  const int me = topology.local;
+  const int mine = topology.host;
+  const int column_size = static_cast<int>(hosts.size());
+  OpContext column = column_phase(context, topology, me);
+  std::vector<Request> requests;
+  std::vector<std::vector<size_t>> arrivals(pieces.size());
+  for (uint32_t u = 0; u < pieces.size(); ++u) {
+    const AllgatherMember& member = bucket[pieces[u].member];
+    const detail::Piece& piece = pieces[u].piece;
+    for (int h = 0; h < column_size; ++h) {
+      if (h == mine) continue;
+      arrivals[u].push_back(requests.size());
+      requests.push_back(column.recv(h, u, detail::sub(member.outputs[hosts[h][me]], piece).data,
+                                     piece.bytes));
+    }
+    for (int k = 1; k < column_size; ++k) {
+      const int to = detail::wrap(mine + k, column_size);
+      requests.push_back(column.send(to, u, detail::sub(member.input, piece).data, piece.bytes));
+    }
+  }
+  for (uint32_t u = 0; u < pieces.size(); ++u) {
+    const AllgatherMember& member = bucket[pieces[u].member];
+    const detail::Piece& piece = pieces[u].piece;
+    detail::copy_if_distinct(detail::sub(member.outputs[hosts[mine][me]], piece).data,
+                             detail::sub(member.input, piece).data, piece.bytes);
+    for (size_t index : arrivals[u]) column.wait_one(requests, index);
+    OpContext local = local_phase(context, topology);
+    std::vector<AllgatherMember> phase;
+    for (const auto& host : hosts) {
+      const MutableSpan held = detail::sub(member.outputs[host[me]], piece);
+      std::vector<MutableSpan> outs;
+      for (int rank : host) outs.push_back(detail::sub(member.outputs[rank], piece));
+      phase.push_back(AllgatherMember{ConstSpan{held.data, held.bytes}, std::move(outs)});
+    }
+    allgather(local, phase);
+  }
+  column.wait_all(requests);
+  return true;
+}
+
+bool pipelined_reduce_scatter(OpContext& context, const HostTopology& topology,
+                              const std::vector<ReduceScatterMember>& bucket) {
+  for (const ReduceScatterMember& member : bucket) {
+    for (const ConstSpan& input : member.inputs) {
+      if (input.bytes != member.output.bytes) return false;
+    }
+  }
+  const std::vector<PieceOfMember> pieces = pipeline_pieces(
+      bucket, [](const ReduceScatterMember& m) { return m.output.bytes; }, kPieceAlignment);
+  if (pieces.empty()) return false;
+  const auto& hosts = topology.hosts;
+  const int me = topology.local;
+  const int mine = topology.host;
+  OpContext column = column_phase(context, topology, me);
+  std::vector<Request> requests;
+  std::vector<std::vector<size_t>> arrivals(pieces.size());
+  std::vector<std::vector<const void*>> arrived(pieces.size());
+  std::vector<const void*> own_partial(pieces.size());
+  auto add_arrivals = [&](size_t u) {
+    const ReduceScatterMember& member = bucket[pieces[u].member];
+    for (size_t index : arrivals[u]) column.wait_one(requests, index);
+    detail::reduce_sources(detail::sub(member.output, pieces[u].piece), own_partial[u],
+                           arrived[u], last_phase(member.spec));
+  };
+  for (uint32_t u = 0; u < pieces.size(); ++u) {
+    const ReduceScatterMember& member = bucket[pieces[u].member];
+    const detail::Piece& piece = pieces[u].piece;
+    std::vector<MutableSpan> partial;
+    {
+      OpContext local = local_phase(context, topology);
+      std::vector<ReduceScatterMember> phase;
+      for (const auto& host : hosts) {
+        partial.push_back(MutableSpan{context.scratch(piece.bytes), piece.bytes});
+        std::vector<ConstSpan> inputs;
+        for (int rank : host) inputs.push_back(detail::sub(member.inputs[rank], piece));
+        phase.push_back(
+            ReduceScatterMember{std::move(inputs), partial.back(), first_phase(member.spec)});
+      }
+      reduce_scatter(local, phase);
+    }
+    own_partial[u] = partial[mine].data;
+    for (int h = 0; h < static_cast<int>(hosts.size()); ++h) {
+      if (h == mine) continue;
+      void* staging = context.scratch(piece.bytes);
+      arrivals[u].push_back(requests.size());
+      arrived[u].push_back(staging);
+      requests.push_back(column.recv(h, u, staging, piece.bytes));
+    }
+    for (int h = 0; h < static_cast<int>(hosts.size()); ++h) {
+      if (h != mine) requests.push_back(column.send(h, u, partial[h].data, piece.bytes));
+    }
+    if (u > 0) add_arrivals(u - 1);
+  }
+  add_arrivals(pieces.size() - 1);
+  column.wait_all(requests);
+  return true;
+}
+
+bool pipelined_broadcast(OpContext& context, const HostTopology& topology, MutableSpan data,
+                         int root_host, int root_local) {
+  const std::vector<PieceOfMember> pieces = pipeline_pieces(
+      std::vector<MutableSpan>{data}, [](const MutableSpan& d) { return d.bytes; }, 1);
+  if (pieces.empty()) return false;
+  // Every rank reserves the column's sequence numbers, taking part or not.
+  OpContext column = column_phase(context, topology, root_local);
+  const bool in_column = topology.local == root_local;
+  const bool sender = in_column && topology.host == root_host;
+  std::vector<Request> requests;
+  for (uint32_t u = 0; in_column && u < pieces.size(); ++u) {
+    MutableSpan piece = detail::sub(data, pieces[u].piece);
+    if (!sender) {
+      requests.push_back(column.recv(root_host, u, piece.data, piece.bytes));
+      continue;
+    }
+    for (int h = 0; h < static_cast<int>(topology.hosts.size()); ++h) {
+      if (h != root_host) requests.push_back(column.send(h, u, piece.data, piece.bytes));
+    }
+  }
+  for (uint32_t u = 0; u < pieces.size(); ++u) {
+    if (in_column && !sender) column.wait_one(requests, u);
+    OpContext local = local_phase(context, topology);
+    broadcast(local, detail::sub(data, pieces[u].piece), root_local);
+  }
+  column.wait_all(requests);
+  return true;
+}
+
 }  // namespace
 
 bool hierarchical_allgather(OpContext& context, const std::vector<AllgatherMember>& bucket) {
@@ -58,6 +249,7 @@ bool hierarchical_allgather(OpContext& context, const std::vector<AllgatherMembe
       if (out.bytes != member.input.bytes) return false;
     }
   }
+  if (pipelined_allgather(context, *topology, bucket)) return true;
   const auto& hosts = topology->hosts;
   const int me = topology->local;
   {
@@ -90,6 +282,7 @@ bool hierarchical_reduce_scatter(OpContext& context,
                                  const std::vector<ReduceScatterMember>& bucket) {
   const HostTopology* topology = context.hierarchy();
   if (topology == nullptr) return false;
+  if (pipelined_reduce_scatter(context, *topology, bucket)) return true;
   const auto& hosts = topology->hosts;
   const int me = topology->local;
   // partial[m][h]: the host's sum of what goes to hosts[h][me].
@@ -175,6 +368,7 @@ bool hierarchical_broadcast(OpContext& context, MutableSpan data, int root) {
       }
     }
   }
+  if (pipelined_broadcast(context, *topology, data, root_host, root_local)) return true;
   // Every rank reserves both phases' sequence numbers, taking part or not.
   OpContext column = column_phase(context, *topology, root_local);
   if (topology->local == root_local) broadcast(column, data, root_host);

@@ -42,6 +42,29 @@ void copy_own_blocks(OpContext& context, const std::vector<ReduceScatterMember>&
   }
 }
 
+// Members whose blocks are large and all the same size, cut into pieces
+// (kPipelinePieceBytes) that travel as messages of their own: the direct
+// algorithm reduces each piece as it arrives, overlapping the rest of the
+// transfer. Summation order per element is unchanged (own, then rank order).
+std::vector<ReduceScatterMember> in_pieces(const std::vector<ReduceScatterMember>& bucket) {
+  std::vector<ReduceScatterMember> out;
+  for (const ReduceScatterMember& member : bucket) {
+    bool even = member.output.bytes > 2 * detail::kPipelinePieceBytes;
+    for (const ConstSpan& input : member.inputs) even = even && input.bytes == member.output.bytes;
+    if (!even) {
+      out.push_back(member);
+      continue;
+    }
+    for (const detail::Piece& piece :
+         detail::pieces_of(member.output.bytes, element_size(member.spec.type))) {
+      ReduceScatterMember part{{}, detail::sub(member.output, piece), member.spec};
+      for (const ConstSpan& input : member.inputs) part.inputs.push_back(detail::sub(input, piece));
+      out.push_back(std::move(part));
+    }
+  }
+  return out;
+}
+
 void reduce_scatter_direct(OpContext& context, const std::vector<ReduceScatterMember>& bucket) {
   const int n = context.size();
   const int r = context.rank();
@@ -176,7 +199,7 @@ void reduce_scatter(OpContext& context, const std::vector<ReduceScatterMember>& 
                                 [&](const auto& window) { reduce_scatter_ring(context, window); });
         break;
       case Algorithm::kDirect:
-        detail::in_step_windows(context, contributions, 1, [&](const auto& window) {
+        detail::in_step_windows(context, in_pieces(contributions), 1, [&](const auto& window) {
           reduce_scatter_direct(context, window);
         });
         break;

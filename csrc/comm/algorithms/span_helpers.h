@@ -77,6 +77,35 @@ inline std::vector<MutableSpan> split_blocks(MutableSpan data, size_t element, i
   return blocks;
 }
 
+// Large messages are sent as pieces of this size, so that the receiver can
+// work on the first (reduce it, pass it on within its host) while the rest
+// are still on the wire: one 8 MiB message left a reduce-scatter's whole
+// reduction after the transfer (16 MiB across two hosts: 59 % of the link).
+constexpr size_t kPipelinePieceBytes = 1 << 20;
+
+// The byte ranges [offset, offset + bytes) that cut `total` into pieces of at
+// most kPipelinePieceBytes, each a whole number of `element`s.
+struct Piece {
+  size_t offset;
+  size_t bytes;
+};
+inline std::vector<Piece> pieces_of(size_t total, size_t element) {
+  const size_t piece = std::max(element, kPipelinePieceBytes / element * element);
+  std::vector<Piece> out;
+  for (size_t offset = 0; offset < total || out.empty(); offset += piece) {
+    out.push_back(Piece{offset, std::min(piece, total - offset)});
+    if (total == 0) break;
+  }
+  return out;
+}
+
+inline ConstSpan sub(ConstSpan span, const Piece& piece) {
+  return ConstSpan{static_cast<const char*>(span.data) + piece.offset, piece.bytes};
+}
+inline MutableSpan sub(MutableSpan span, const Piece& piece) {
+  return MutableSpan{static_cast<char*>(span.data) + piece.offset, piece.bytes};
+}
+
 // Runs `run` over the bucket in windows whose members' steps fit the tag's
 // step field (`steps_per_member` each); windows after the first take a new
 // sequence number. Every rank cuts the same windows.

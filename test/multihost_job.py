@@ -252,10 +252,12 @@ def train(rank, world, steps):
     report(rank, losses=losses, refusal=refusal)
 
 
-def kill(rank, world, victim, marker):
+def kill(rank, world, victim, marker, op):
     # torchrun's agent SIGTERMs the victim's host-mates as soon as it sees
     # the victim die; they ignore that to report what the backend told them.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if op == "all_gather":
+        return kill_during_all_gathers(rank, world, victim, marker)
     x = torch.ones(4096)
     for _ in range(3):
         dist.all_reduce(x)
@@ -278,6 +280,39 @@ def kill(rank, world, victim, marker):
             death = float(f.read())
         try:
             dist.all_reduce(x)
+            refused = None
+        except Exception as again:  # noqa: BLE001
+            refused = str(again)
+        report(rank, error=str(error), type=type(error).__name__, seconds=elapsed,
+               noticed_after=now - death, refused=refused)
+
+
+def kill_during_all_gathers(rank, world, victim, marker):
+    """The victim dies with a large all-gather in flight: 4 MiB per rank, so
+    over hosts its phases run in pieces (Note [pipelined hierarchical
+    phases]); the others keep all-gathering until the backend tells them."""
+    shard = torch.full((1 << 20,), float(rank))
+    out = torch.empty(world << 20)
+    for _ in range(3):
+        dist.all_gather_into_tensor(out, shard)
+    dist.barrier()
+    if rank == victim:
+        dist.all_gather_into_tensor(out, shard, async_op=True)
+        time.sleep(0.003)
+        with open(marker, "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < 60:
+            dist.all_gather_into_tensor(out, shard)
+        report(rank, error=None)
+    except Exception as error:  # noqa: BLE001  (reported to the test)
+        now, elapsed = time.time(), time.monotonic() - started
+        with open(marker) as f:
+            death = float(f.read())
+        try:
+            dist.all_reduce(torch.ones(3))
             refused = None
         except Exception as again:  # noqa: BLE001
             refused = str(again)
@@ -309,6 +344,8 @@ def main():
     parser.add_argument("--mode", required=True,
                         choices=["collectives", "train", "kill", "link"])
     parser.add_argument("--victim", type=int, default=0)
+    parser.add_argument("--op", choices=["all_reduce", "all_gather"], default="all_reduce",
+                        help="kill: the collective the survivors are in when the victim dies")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--marker", default="")
     parser.add_argument("--timeout", type=float, default=60)
@@ -323,7 +360,7 @@ def main():
     elif args.mode == "train":
         train(rank, world, args.steps)
     elif args.mode == "kill":
-        kill(rank, world, args.victim, args.marker)
+        kill(rank, world, args.victim, args.marker, args.op)
     else:
         link(rank, world, args.victim, args.marker)
     sys.stdout.flush()

@@ -114,11 +114,12 @@ def test_fully_shard_training_across_two_hosts_matches_gloo():
         assert "spans hosts" in report["refusal"], report["refusal"]
 
 
-@pytest.mark.parametrize("victim", [0, 3], ids=["on-host-0", "on-host-1"])
-def test_killed_rank_is_reported_within_seconds(victim):
+@pytest.mark.parametrize("victim,op", [(0, "all_reduce"), (3, "all_reduce"), (3, "all_gather")],
+                         ids=["on-host-0", "on-host-1", "on-host-1-during-pipelined-all-gather"])
+def test_killed_rank_is_reported_within_seconds(victim, op):
     with multihost.TwoHosts() as hosts:
         survivors = [r for r in range(4) if r != victim]
-        out, reports = run_job(hosts, ["--mode", "kill", "--victim", str(victim),
+        out, reports = run_job(hosts, ["--mode", "kill", "--victim", str(victim), "--op", op,
                                        "--timeout", "60"], 2, timeout=120, linger=15,
                                reported=survivors, marker=True)
     expect_reports(out, reports, survivors)
@@ -126,7 +127,7 @@ def test_killed_rank_is_reported_within_seconds(victim):
         report = reports[rank]
         assert report["type"] == "DistBackendError", report
         assert f"rank {victim} (host {hosts.hostnames[victim // 2]}, pid " in report["error"]
-        assert "all_reduce" in report["error"]
+        assert op in report["error"], report
         # The group timeout is 60 s; the loss must be known in seconds.
         assert report["noticed_after"] < 5.0, report
         assert "unusable after an earlier failure" in report["refused"], report

@@ -6,8 +6,15 @@
 
 With --hosts 2 the ranks run on two emulated hosts (test/multihost.py: two
 network namespaces joined by a veth link, distinct hostnames, real `torchrun
---nnodes 2`), so everything between hosts crosses TCP; --netem-* shape that
-link with tc netem to emulate a real network. Results go to
+--nnodes 2`), so everything between hosts crosses TCP. Before and after the
+collectives the same run measures the link itself (_tcp_link.py: plain TCP,
+one way and both ways at once, one stream and one per rank of a host, best
+of 3 rounds each) and reports, per op, the bytes that must cross the link
+per second (nccl-tests' bus bandwidth for one rank per host) as a fraction
+of what TCP carried in the op's pattern, next to gloo's, and which of the
+targets (>= 50 % at 1 MiB, >= 80 % from 16 MiB, never slower than gloo) are
+missed. --netem-rate-mbit shapes the link (a token bucket; netem when a
+delay is asked for, which needs a kernel with sch_netem). Results go to
 collectives_2hosts.json / .png.
 
 For every op and message size, the contenders run in the same processes

@@ -597,6 +597,37 @@ TEST_P(PipelinedPhases, AllgatherReduceScatterAndAverage) {
   }
 }
 
+TEST_P(PipelinedPhases, AllreduceSumAndAverage) {
+  LoopbackGroup& group = *group_;
+  const int n = group.size();
+  for (size_t count : kPipelinedCounts) {
+    for (const bool average : {false, true}) {
+      std::vector<std::vector<float>> data(n);
+      for (int r = 0; r < n; ++r) data[r] = filled(count, r);
+      const uint64_t before = group.engine(0).sequences_used();
+      group.run_ok("allreduce", [&](int r, OpContext& context) {
+        ReduceSpec spec{DataType::kFloat32, ReduceKind::kSum};
+        if (average) spec.post_divisor = n;
+        allreduce(context, MutableSpan{data[r].data(), count * sizeof(float)}, spec);
+      });
+      // Pipelined over two hosts only (more hosts keep the column ring).
+      if (GetParam().second == 2) {
+        expect_pipelined("allreduce", before, (count + kFloatsPerPiece - 1) / kFloatsPerPiece);
+      }
+      for (int r = 0; r < n; ++r) {
+        EXPECT_EQ(first_mismatch(data[r].data(), count,
+                                 [&](size_t i) {
+                                   const float sum = sum_of_values(n, i);
+                                   return average ? sum / static_cast<float>(n) : sum;
+                                 }),
+                  -1)
+            << "allreduce " << (average ? "average" : "sum") << ": rank " << r << ", " << count
+            << " floats";
+      }
+    }
+  }
+}
+
 TEST_P(PipelinedPhases, BucketOfMixedMembers) {
   LoopbackGroup& group = *group_;
   const int n = group.size();

@@ -63,6 +63,12 @@ OpContext column_phase(OpContext& context, const HostTopology& topology, int loc
 //                    out to the column peers at once; piece k-1's arrivals
 //                    are added into the output while piece k+1 is reduced
 //                    locally.
+//   all-reduce     : (two hosts) piece k's local reduce-scatter into this
+//                    rank's block, which goes to the column peer at once;
+//                    piece k-1's block gets the peer's partial added (two
+//                    operands: every reduction commutes exactly, so both
+//                    column members get the same bits) and is all-gathered
+//                    within the host while piece k+1 is reduced.
 //   broadcast      : the root's column member sends every piece at once; each
 //                    column member broadcasts a piece within its host as soon
 //                    as it is in.
@@ -209,6 +215,59 @@ bool pipelined_reduce_scatter(OpContext& context, const HostTopology& topology,
   return true;
 }
 
+bool pipelined_allreduce(OpContext& context, const HostTopology& topology,
+                         const std::vector<AllreduceMember>& bucket) {
+  // With more hosts, exchanging whole blocks would cost more link than the
+  // column ring; those run unpipelined.
+  if (topology.hosts.size() != 2) return false;
+  const std::vector<PieceOfMember> pieces = pipeline_pieces(
+      bucket, [](const AllreduceMember& m) { return m.data.bytes; }, kPieceAlignment);
+  if (pieces.empty()) return false;
+  const int per_host = static_cast<int>(topology.hosts[0].size());
+  const int me = topology.local;
+  const int other = 1 - topology.host;
+  OpContext column = column_phase(context, topology, me);
+  std::vector<Request> requests;
+  std::vector<std::vector<MutableSpan>> blocks(pieces.size());
+  std::vector<const void*> arrived(pieces.size());
+  std::vector<size_t> exchange(pieces.size());  // the piece's receive; its send follows
+  // Adds the peer's partial into this rank's block of piece u (once the
+  // block's own send is done: it is overwritten), then shares the block
+  // within the host.
+  auto finish = [&](size_t u) {
+    const AllreduceMember& member = bucket[pieces[u].member];
+    column.wait_one(requests, exchange[u]);
+    column.wait_one(requests, exchange[u] + 1);
+    const MutableSpan block = blocks[u][me];
+    detail::reduce_sources(block, block.data, {arrived[u]}, last_phase(member.spec));
+    OpContext local = local_phase(context, topology);
+    allgather(local, std::vector<AllgatherMember>{
+                         AllgatherMember{ConstSpan{block.data, block.bytes}, blocks[u]}});
+  };
+  for (uint32_t u = 0; u < pieces.size(); ++u) {
+    const AllreduceMember& member = bucket[pieces[u].member];
+    blocks[u] = detail::split_blocks(detail::sub(member.data, pieces[u].piece),
+                                     element_size(member.spec.type), per_host);
+    {
+      OpContext local = local_phase(context, topology);
+      std::vector<ConstSpan> inputs;
+      for (const MutableSpan& block : blocks[u]) inputs.push_back(ConstSpan{block.data, block.bytes});
+      reduce_scatter(local, std::vector<ReduceScatterMember>{ReduceScatterMember{
+                                std::move(inputs), blocks[u][me], first_phase(member.spec)}});
+    }
+    const MutableSpan block = blocks[u][me];
+    void* staging = context.scratch(block.bytes);
+    arrived[u] = staging;
+    exchange[u] = requests.size();
+    requests.push_back(column.recv(other, u, staging, block.bytes));
+    requests.push_back(column.send(other, u, block.data, block.bytes));
+    if (u > 0) finish(u - 1);
+  }
+  finish(pieces.size() - 1);
+  column.wait_all(requests);
+  return true;
+}
+
 bool pipelined_broadcast(OpContext& context, const HostTopology& topology, MutableSpan data,
                          int root_host, int root_local) {
   const std::vector<PieceOfMember> pieces = pipeline_pieces(
@@ -319,6 +378,7 @@ bool hierarchical_reduce_scatter(OpContext& context,
 bool hierarchical_allreduce(OpContext& context, const std::vector<AllreduceMember>& bucket) {
   const HostTopology* topology = context.hierarchy();
   if (topology == nullptr) return false;
+  if (pipelined_allreduce(context, *topology, bucket)) return true;
   const int per_host = static_cast<int>(topology->hosts[0].size());
   const int me = topology->local;
   std::vector<std::vector<MutableSpan>> blocks;

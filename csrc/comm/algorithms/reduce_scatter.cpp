@@ -87,11 +87,21 @@ void reduce_scatter_direct(OpContext& context, const std::vector<ReduceScatterMe
           context.send(to, m, bucket[m].inputs[to].data, bucket[m].inputs[to].bytes));
     }
   }
-  copy_own_blocks(context, bucket);
   // Reduce each block as soon as it is in, overlapping the later arrivals.
+  // A member's first arrival is added to the rank's own contribution in the
+  // same pass that writes the output (no separate copy of the own block).
+  std::vector<bool> started(bucket.size(), false);
   for (size_t i = 0; i < arrivals.size(); ++i) {
     context.wait_one(requests, i);
     const ReduceScatterMember& member = bucket[arrivals[i].first];
+    if (!started[arrivals[i].first]) {
+      started[arrivals[i].first] = true;
+      ReduceSpec no_divide = member.spec;
+      no_divide.post_divisor = 1.0;  // reduce_scatter() divides once, at the end
+      detail::reduce_sources(member.output, member.inputs[r].data, {arrivals[i].second},
+                             no_divide);
+      continue;
+    }
     reduce_into(member.output.data, arrivals[i].second,
                 member.output.bytes / element_size(member.spec.type), member.spec.type,
                 member.spec.kind);

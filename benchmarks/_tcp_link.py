@@ -96,6 +96,25 @@ def measure_link(hosts, streams=1, both_ways=False, seconds=0.5):
     return min(rates)
 
 
+def measure_link_limits(hosts, ranks_per_host=1, rounds=3):
+    """One way and both ways at once, with one stream and with as many as our
+    collectives use (one per pair of ranks at the same position on the two
+    hosts); the best of `rounds` rounds each. GB/s per direction, by name."""
+    limits = {}
+    for both_ways in (False, True):
+        for streams in sorted({1, ranks_per_host}):
+            key = f"{'both ways' if both_ways else 'one way'}, {streams} stream" + \
+                ("s" if streams > 1 else "")
+            limits[key] = max(measure_link(hosts, streams, both_ways) for _ in range(rounds))
+    return limits
+
+
+def best(limits, both_ways):
+    """The best figure of `limits` (measure_link_limits) in one pattern."""
+    pattern = "both ways" if both_ways else "one way"
+    return max(v for k, v in limits.items() if k.startswith(pattern))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "receive":
         _receive(int(sys.argv[2]), int(sys.argv[3]))

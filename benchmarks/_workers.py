@@ -50,3 +50,42 @@ def run_ranks(world, target, *args):
         for p in procs:
             p.join()
     return result
+
+
+def init_torchrun_rank():
+    """Sets up one rank started by torchrun (a --hosts 2 run); returns the gloo
+    group (fsdp_ext is the default group)."""
+    import torch
+    import torch.distributed as dist
+
+    import torch_fsdp_ext  # noqa: F401  (registers the backend)
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fsdp_ext", timeout=datetime.timedelta(minutes=10))
+    return dist.new_group(backend="gloo")
+
+
+def run_on_two_hosts(script, argv, ranks_per_host=1, rate_mbit=None):
+    """Runs `script argv --torchrun-worker FILE` under torchrun on two emulated
+    hosts (test/multihost.py), with the link shaped to `rate_mbit` if given;
+    returns (what rank 0 wrote to FILE as JSON, the link's limits measured
+    around the job: _tcp_link.measure_link_limits)."""
+    import json
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "..", "test"))
+    import multihost
+    from _tcp_link import measure_link_limits
+
+    with tempfile.TemporaryDirectory() as tmp, multihost.TwoHosts(rate_mbit=rate_mbit) as hosts:
+        result_file = os.path.join(tmp, "result.json")
+        before = measure_link_limits(hosts, ranks_per_host)
+        out = hosts.torchrun(os.path.abspath(script), [*argv, "--torchrun-worker", result_file],
+                             ranks_per_host, timeout=3600)
+        if not os.path.exists(result_file):
+            raise SystemExit("the two-host run failed:\n" + "\n".join(h.output[-4000:]
+                                                                       for h in out))
+        after = measure_link_limits(hosts, ranks_per_host)
+        with open(result_file) as f:
+            return json.load(f), {key: max(before[key], after[key]) for key in before}

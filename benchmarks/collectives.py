@@ -254,20 +254,9 @@ LINK_ROUNDS = 3
 
 
 def measure_link_limits(hosts, ranks_per_host):
-    """What plain TCP carries between the hosts (benchmarks/_tcp_link.py):
-    one way and both ways at once, with one stream and with as many as our
-    collectives use (one per pair of ranks at the same position on the two
-    hosts); the best of LINK_ROUNDS rounds each."""
-    from _tcp_link import measure_link
+    from _tcp_link import measure_link_limits as measure
 
-    limits = {}
-    for both_ways in (False, True):
-        for streams in sorted({1, ranks_per_host}):
-            key = f"{'both ways' if both_ways else 'one way'}, {streams} stream" + \
-                ("s" if streams > 1 else "")
-            limits[key] = max(measure_link(hosts, streams, both_ways)
-                              for _ in range(LINK_ROUNDS))
-    return limits
+    return measure(hosts, ranks_per_host, LINK_ROUNDS)
 
 
 def link_traffic(op, nbytes, hosts):
@@ -357,8 +346,9 @@ def summarize(entry, memcpy, limits=None):
         # in the op's pattern (both directions at once, or one), with as
         # many streams as helped.
         crossing, both_ways = link_traffic(op, nbytes, 2)
-        pattern = "both ways" if both_ways else "one way"
-        limit = max(v for k, v in entry["link_GBps"].items() if k.startswith(pattern))
+        from _tcp_link import best
+
+        limit = best(entry["link_GBps"], both_ways)
         row["link_limit_GBps"] = limit
         row["ranks_per_host"] = n // 2
         for name in med:

@@ -4,6 +4,7 @@ over fsdp_ext, in the same processes.
     python benchmarks/fsdp_step.py [--world-size 2] [--steps 40] [--models small-blocks,transformer]
                                    [--configs fp32,bf16] [--no-memory]
     python benchmarks/fsdp_step.py --world-size 4 --configs hsdp
+    python benchmarks/fsdp_step.py --hosts 2 [--ranks-per-host 1] [--netem-rate-mbit 10000]
 
 Contenders (each trains its own copy of the same model, same seeds and data;
 one step each in turn, so host noise hits all alike; --order blocked runs all
@@ -44,7 +45,17 @@ them) sampled at the start of every FSDP module's forward, parameters
 unsharded, over the same steps, minus their values before: the host's sum of
 PSS is what the host holds, counted once. "max loss diff": over
 all steps, ours against upstream on the same backend, upstream against
-upstream/gloo. 
+upstream/gloo.
+
+--hosts 2 runs the ranks on two emulated hosts (test/multihost.py, root),
+so every collective crosses TCP, with the contenders that make sense across
+hosts (upstream/gloo, ours/gloo, upstream/fsdp_ext, ours/fsdp_ext) and no
+memory runs. It also measures the link in the same run (plain TCP both ways
+at once, best of 3 rounds, before and after) and reports the link's lower
+bound for the step: the bytes that must cross it in each direction (the
+other host's share of every all-gather and reduce-scatter) over what TCP
+carried, or the local step if that is longer, since a step can overlap its
+communication with compute but not beat either.
 """
 
 import argparse
@@ -54,7 +65,7 @@ import statistics
 import sys
 import time
 
-from _workers import init_rank, run_ranks
+from _workers import init_rank, init_torchrun_rank, run_on_two_hosts, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -69,6 +80,10 @@ def _upstream_of(name):
     is ours only: upstream with the same buffers)."""
     return "upstream/" + name.split("/")[1].replace("+per-param", "").replace("+host-shared", "")
 
+
+# Across hosts: host-shared parameters need a shard group on one host, and
+# group buffers need shared memory, which one rank per host does not have.
+CONTENDERS_ACROSS_HOSTS = ["upstream/gloo", "ours/gloo", "upstream/fsdp_ext", "ours/fsdp_ext"]
 
 CONFIGS = ("fp32", "bf16", "hsdp")
 
@@ -158,13 +173,35 @@ def _quiet_upstream_view_warning():
 
 def _timing_worker(rank, world, init_file, queue, args):
     gloo = init_rank(rank, world, init_file, args.pin_ranks)
+    results = _time_contenders(rank, world, gloo, args, CONTENDERS)
+    if rank == 0:
+        queue.put(results)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def _torchrun_worker(args):
+    """One rank of a --hosts 2 run; rank 0 writes the results to the file."""
+    import torch.distributed as dist
+
+    gloo = init_torchrun_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = _time_contenders(rank, world, gloo, args, CONTENDERS_ACROSS_HOSTS)
+    if rank == 0:
+        with open(args.torchrun_worker, "w") as f:
+            json.dump({"results": results, "world_size": world}, f)
+    dist.destroy_process_group()
+
+
+def _time_contenders(rank, world, gloo, args, contenders):
     _quiet_upstream_view_warning()
     import torch
     import torch.distributed as dist
 
     results = {}
     for model_name, config in [(m, c) for c in args.configs for m in args.models]:
-        names = ["local"] + CONTENDERS
+        names = ["local"] + contenders
         built = {name: build(model_name, name, gloo, config) for name in names}
         times = {name: [] for name in names}
         losses = {name: [] for name in names}
@@ -197,9 +234,7 @@ def _timing_worker(rank, world, init_file, queue, args):
             "params": sum(p.numel() for p in built["local"][0].parameters()),
         }
         del built
-    if rank == 0:
-        queue.put(results)
-    dist.destroy_process_group()
+    return results
 
 
 class _CollectiveBytes:
@@ -302,7 +337,7 @@ def markdown_tables(run):
         out.append("| contender | step ms | ours vs upstream (same backend) | FSDP ms per group "
                    "| collective MiB/step | training peak MiB | max loss diff |")
         out.append("|---|---:|---:|---:|---:|---:|---:|")
-        for name in ["local"] + CONTENDERS:
+        for name in med:
             speedup = ""
             if name.startswith("ours/"):
                 other = _upstream_of(name)
@@ -336,6 +371,33 @@ def markdown_tables(run):
     return "\n".join(out)
 
 
+def link_bound_table(results, link, rate_mbit):
+    """Each contender's step against the link's lower bound for it (--hosts 2)."""
+    from _tcp_link import best
+
+    both_ways = best(link, both_ways=True)
+    out = [f"\nThe link ({'shaped to ' + str(rate_mbit) + ' Mbit/s' if rate_mbit else 'unshaped'})"
+           f": plain TCP carried {both_ways:.2f} GB/s per direction with both directions busy "
+           f"(best of the rounds before and after).\n",
+           "| model | contender | step ms | MiB each rank's collectives carry | MiB across the "
+           "link per direction | link time ms | local step ms | bound ms | step / bound |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for key, result in results.items():
+        med = result["median_seconds"]
+        for name in med:
+            if name == "local":
+                continue
+            # All-gathers and reduce-scatters: the other host's half of each
+            # full tensor crosses the link each way (two hosts).
+            crossing = result["comm_mib"][name] / 2
+            link_ms = crossing * 2**20 / (both_ways * 1e9) * 1e3
+            bound = max(link_ms, med["local"] * 1e3)
+            out.append(f"| {key} | {name} | {med[name] * 1e3:.1f} | {result['comm_mib'][name]:.1f} "
+                       f"| {crossing:.1f} | {link_ms:.1f} | {med['local'] * 1e3:.1f} | "
+                       f"{bound:.1f} | {med[name] * 1e3 / bound:.2f}x |")
+    return "\n".join(out)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
@@ -349,18 +411,37 @@ def main():
                         "alike); blocked: all steps of a contender, then the next")
     parser.add_argument("--pin-ranks", action="store_true",
                         help="bind each rank (and its threads) to one core, every contender alike")
-    parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results",
-                                                           "fsdp_step.json"))
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--hosts", type=int, choices=[1, 2], default=1)
+    parser.add_argument("--ranks-per-host", type=int, default=1)
+    parser.add_argument("--netem-rate-mbit", type=int, default=None,
+                        help="--hosts 2: shape the link between the hosts to this rate")
+    parser.add_argument("--torchrun-worker", metavar="RESULT_FILE", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.output is None:
+        name = "fsdp_step.json" if args.hosts == 1 else "fsdp_step_2hosts.json"
+        args.output = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
     args.models = args.models.split(",")
     args.configs = args.configs.split(",")
     unknown = sorted(set(args.configs) - set(CONFIGS))
     if unknown:
         parser.error(f"unknown --configs {unknown}; choose from {', '.join(CONFIGS)}")
-    if "hsdp" in args.configs and (args.world_size < 4 or args.world_size % 2):
+    if args.hosts == 2 and "hsdp" in args.configs:
+        parser.error("--hosts 2 measures the 1-D configurations (fp32, bf16); the link bound "
+                     "it reports assumes all-gathers and reduce-scatters only")
+    if args.hosts == 1 and "hsdp" in args.configs and (args.world_size < 4 or
+                                                       args.world_size % 2):
         parser.error(f"--configs hsdp needs an even --world-size of at least 4, "
                      f"not {args.world_size}")
-    results = run_ranks(args.world_size, _timing_worker, args)
+    if args.torchrun_worker:
+        return _torchrun_worker(args)
+    link = None
+    if args.hosts == 2:
+        argv = [a for a in sys.argv[1:]]
+        ran, link = run_on_two_hosts(__file__, argv, args.ranks_per_host, args.netem_rate_mbit)
+        results, args.world_size, args.no_memory = ran["results"], ran["world_size"], True
+    else:
+        results = run_ranks(args.world_size, _timing_worker, args)
     steady = args.steps // 3
     for result in results.values():
         result["median_seconds"] = {
@@ -373,9 +454,11 @@ def main():
                                          result["config"], args.pin_ranks)
         result["peak_step_memory_mib"] = memory
     print(markdown_tables({"args": vars(args), "results": results}))
+    if link is not None:
+        print(link_bound_table(results, link, args.netem_rate_mbit))
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump({"args": vars(args), "results": results}, f, indent=1)
+        json.dump({"args": vars(args), "results": results, "link_GBps": link}, f, indent=1)
     print(f"\nwrote {args.output}")
 
 

@@ -54,7 +54,9 @@ def expect_reports(host_results, reports, ranks):
     return reports
 
 
-@pytest.mark.parametrize("ranks_per_host", [1, 2, 3, (3, 1)], ids=["2x1", "2x2", "2x3", "3+1"])
+# 3 ranks per host (hierarchical with an odd column count) runs in the C++
+# pretend-host matrix (6 ranks, 2 hosts); here it cost 40 s of make test.
+@pytest.mark.parametrize("ranks_per_host", [1, 2, (3, 1)], ids=["2x1", "2x2", "3+1"])
 def test_every_collective_across_two_hosts(ranks_per_host):
     counts = ranks_per_host if isinstance(ranks_per_host, tuple) else (ranks_per_host,) * 2
     with multihost.TwoHosts() as hosts:
@@ -81,10 +83,12 @@ def test_every_collective_across_two_hosts(ranks_per_host):
                 assert "(this host)" in line, line
 
 
-@pytest.mark.parametrize("algorithm", ["direct", "ring", "shm"])
+@pytest.mark.parametrize("algorithm", ["ring", "shm"])
 def test_every_collective_across_two_hosts_with_forced_algorithms(algorithm):
     """Each phase of the hierarchical collectives (2 hosts x 2 ranks) with one
-    algorithm forced for every collective ("shm" applies within a host)."""
+    algorithm forced for every collective ("shm" applies within a host).
+    "direct" is what the unforced 2x2 run picks for these sizes across hosts,
+    and the C++ pretend-host matrix forces it in every phase."""
     forced = {f"FSDP_EXT_{op}_ALGO": algorithm
               for op in ("ALLGATHER", "REDUCE_SCATTER", "ALLREDUCE", "BROADCAST")}
     with multihost.TwoHosts() as hosts:

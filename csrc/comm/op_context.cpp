@@ -82,6 +82,8 @@ void OpContext::wait_one(std::vector<Request>& requests, size_t index) {
   engine_.wait_for(description_, deadline_, timeout_, requests, index);
 }
 
+void OpContext::abandon(std::vector<Request>& requests) { engine_.abandon(requests); }
+
 void* OpContext::scratch(size_t bytes) { return scratch_.allocate(bytes); }
 
 SharedMemoryDomain* OpContext::shared_memory() const {

@@ -60,6 +60,12 @@ class OpContext {
   // cancelled or orphaned, so none is left pointing at freed memory.
   void wait_one(std::vector<Request>& requests, size_t index);
 
+  // For an op that fails while `requests` are posted but not being waited on
+  // (an exception from another phase): cancels them or hands them to the
+  // engine with the op's buffers, so none is left writing into memory the
+  // caller may free. Safe to call on requests a failed wait already dealt with.
+  void abandon(std::vector<Request>& requests);
+
   // Hands a posted request to the engine; the op completes when it finishes.
   void detach(Request request) { detached_.push_back(request); }
   std::vector<Request>& detached() { return detached_; }

@@ -421,6 +421,10 @@ Clock::time_point ProgressEngine::nearest_deadline() const {
   return wake_by;
 }
 
+void ProgressEngine::abandon(std::vector<Request>& requests) {
+  orphan_unfinished(requests, running_ ? running_->keepalive : nullptr, true);
+}
+
 void ProgressEngine::orphan_unfinished(std::vector<Request>& requests,
                                        std::shared_ptr<void> keepalive,
                                        bool scratch_in_use) {
@@ -437,7 +441,13 @@ void ProgressEngine::orphan_unfinished(std::vector<Request>& requests,
   }
   Orphan orphan;
   for (Request& request : requests) {
-    if (!request.finished) orphan.requests.push_back(request);
+    if (request.finished) continue;
+    orphan.requests.push_back(request);
+    // The orphan owns the handle now: the caller's copy must never test,
+    // cancel or free it again.
+    request.finished = true;
+    request.status = UCS_ERR_CANCELED;
+    request.handle = nullptr;
   }
   orphan.keepalive = std::move(keepalive);
   if (scratch_in_use) {

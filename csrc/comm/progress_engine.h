@@ -218,6 +218,12 @@ class ProgressEngine {
                 std::chrono::milliseconds timeout, std::vector<Request>& requests,
                 size_t only);
 
+  // Progress thread only (OpContext::abandon): the running op failed while
+  // `requests` were posted and not waited on; cancels them, or keeps them
+  // (with the op's buffers and scratch) until shutdown. Afterwards every
+  // entry reads as finished, so abandoning the same vector twice is safe.
+  void abandon(std::vector<Request>& requests);
+
  private:
   struct InFlight {
     EngineOp op;

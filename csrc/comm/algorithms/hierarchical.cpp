@@ -24,6 +24,8 @@
 // flat ring's order.
 #include "comm/algorithms/hierarchical.h"
 
+#include <exception>
+
 #include "comm/algorithms/span_helpers.h"
 #include "comm/progress_engine.h"
 
@@ -77,12 +79,39 @@ OpContext column_phase(OpContext& context, const HostTopology& topology, int loc
 // sequence numbers, reserved alike on every rank because every rank cuts the
 // same pieces); the column messages of the whole op share one column
 // sub_group, told apart by the piece's index as the step. A piece's sums are
-// taken in the order the unpipelined path's direct column phase takes them
-// (own partial, then the other hosts in host order): with two hosts, results
-// do not depend on pipelining.
+// taken across hosts in the order the unpipelined path's direct column
+// phase takes them (own partial, then the other hosts in host order). Within
+// a host, a piece's local phase picks its algorithm by the piece's size, so a
+// small last piece may sum in another order than the whole bucket would:
+// every rank still gets the same bits, but not necessarily the unpipelined
+// path's.
 // Buffers: every piece's partial sums and arrivals have scratch of their
 // own, alive until the op ends, so nothing is overwritten while a send of
 // it may still be in flight.
+
+// The column messages a pipelined op posts ahead of its local phases. If a
+// local phase throws (a lost peer, abort, timeout), nobody waits on these
+// any more: they are abandoned to the engine, not left posted into the
+// caller's tensors, which the caller may free once the op has failed.
+class PostedAhead {
+ public:
+  explicit PostedAhead(OpContext& column) : column_(column) {}
+  PostedAhead(const PostedAhead&) = delete;
+  PostedAhead& operator=(const PostedAhead&) = delete;
+  ~PostedAhead() {
+    if (std::uncaught_exceptions() <= exceptions_) return;
+    try {
+      column_.abandon(requests);
+    } catch (...) {
+      // Already failing: the first error is the one reported.
+    }
+  }
+  std::vector<Request> requests;
+
+ private:
+  OpContext& column_;
+  const int exceptions_ = std::uncaught_exceptions();
+};
 
 struct PieceOfMember {
   size_t member;
@@ -104,6 +133,10 @@ std::vector<PieceOfMember> pipeline_pieces(const std::vector<Member>& bucket, By
     }
   }
   if (total <= 2 * detail::kPipelinePieceBytes || pieces.size() >= tag::kMaxSteps) return {};
+  // Each piece costs a local collective and a column message of its own: a
+  // bucket of many small members (a coalesced FSDP bucket) would run one per
+  // member. Only pipeline buckets whose pieces are mostly full.
+  if (pieces.size() > 2 * (total / detail::kPipelinePieceBytes) + 2) return {};
   return pieces;
 }
 
@@ -121,7 +154,8 @@ bool pipelined_allgather(OpContext& context, const HostTopology& topology,
   const int mine = topology.host;
   const int column_size = static_cast<int>(hosts.size());
   OpContext column = column_phase(context, topology, me);
-  std::vector<Request> requests;
+  PostedAhead posted(column);
+  std::vector<Request>& requests = posted.requests;
   std::vector<std::vector<size_t>> arrivals(pieces.size());
   for (uint32_t u = 0; u < pieces.size(); ++u) {
     const AllgatherMember& member = bucket[pieces[u].member];
@@ -171,7 +205,8 @@ bool pipelined_reduce_scatter(OpContext& context, const HostTopology& topology,
   const int me = topology.local;
   const int mine = topology.host;
   OpContext column = column_phase(context, topology, me);
-  std::vector<Request> requests;
+  PostedAhead posted(column);
+  std::vector<Request>& requests = posted.requests;
   std::vector<std::vector<size_t>> arrivals(pieces.size());
   std::vector<std::vector<const void*>> arrived(pieces.size());
   std::vector<const void*> own_partial(pieces.size());
@@ -227,7 +262,8 @@ bool pipelined_allreduce(OpContext& context, const HostTopology& topology,
   const int me = topology.local;
   const int other = 1 - topology.host;
   OpContext column = column_phase(context, topology, me);
-  std::vector<Request> requests;
+  PostedAhead posted(column);
+  std::vector<Request>& requests = posted.requests;
   std::vector<std::vector<MutableSpan>> blocks(pieces.size());
   std::vector<const void*> arrived(pieces.size());
   std::vector<size_t> exchange(pieces.size());  // the piece's receive; its send follows
@@ -277,7 +313,8 @@ bool pipelined_broadcast(OpContext& context, const HostTopology& topology, Mutab
   OpContext column = column_phase(context, topology, root_local);
   const bool in_column = topology.local == root_local;
   const bool sender = in_column && topology.host == root_host;
-  std::vector<Request> requests;
+  PostedAhead posted(column);
+  std::vector<Request>& requests = posted.requests;
   for (uint32_t u = 0; in_column && u < pieces.size(); ++u) {
     MutableSpan piece = detail::sub(data, pieces[u].piece);
     if (!sender) {

@@ -65,10 +65,10 @@ def init_torchrun_rank():
     return dist.new_group(backend="gloo")
 
 
-def run_on_two_hosts(script, argv, ranks_per_host=1, rate_mbit=None):
+def run_on_two_hosts(script, argv, ranks_per_host=1, rate_mbit=None, delay_ms=None):
     """Runs `script argv --torchrun-worker FILE` under torchrun on two emulated
-    hosts (test/multihost.py), with the link shaped to `rate_mbit` if given;
-    returns (what rank 0 wrote to FILE as JSON, the link's limits measured
+    hosts (test/multihost.py), with the link shaped to `rate_mbit` / `delay_ms`
+    if given; returns (what rank 0 wrote to FILE as JSON, the link's limits measured
     around the job: _tcp_link.measure_link_limits)."""
     import json
     import sys
@@ -78,7 +78,8 @@ def run_on_two_hosts(script, argv, ranks_per_host=1, rate_mbit=None):
     import multihost
     from _tcp_link import measure_link_limits
 
-    with tempfile.TemporaryDirectory() as tmp, multihost.TwoHosts(rate_mbit=rate_mbit) as hosts:
+    with tempfile.TemporaryDirectory() as tmp, multihost.TwoHosts(rate_mbit=rate_mbit,
+                                                                    delay_ms=delay_ms) as hosts:
         result_file = os.path.join(tmp, "result.json")
         before = measure_link_limits(hosts, ranks_per_host)
         out = hosts.torchrun(os.path.abspath(script), [*argv, "--torchrun-worker", result_file],

@@ -46,7 +46,8 @@ import statistics
 import sys
 import time
 
-from _workers import init_rank, run_ranks
+from _workers import init_rank, init_torchrun_rank, run_ranks
+from _workers import run_on_two_hosts as two_hosts
 from torch_fsdp_ext import _C
 
 OPS = ["all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_into_tensor_coalesced",
@@ -155,16 +156,9 @@ def _worker(rank, world, init_file, queue, ops, sizes, repeats, pin):
 
 def _torchrun_worker(ops, sizes, repeats, result_file):
     """One rank of a --hosts run, started by torchrun on an emulated host."""
-    import datetime
-
-    import torch
     import torch.distributed as dist
 
-    import torch_fsdp_ext  # noqa: F401
-
-    torch.set_num_threads(1)
-    dist.init_process_group("fsdp_ext", timeout=datetime.timedelta(minutes=10))
-    gloo = dist.new_group(backend="gloo")
+    gloo = init_torchrun_rank()
     rank, world = dist.get_rank(), dist.get_world_size()
     results = _measure(rank, world, gloo, ops, sizes, repeats)
     if rank == 0:
@@ -221,42 +215,17 @@ def _measure(rank, world, gloo, ops, sizes, repeats):
 
 
 def run_on_two_hosts(ranks_per_host, ops, sizes, repeats, netem):
-    """Runs the measurement under torchrun on two emulated hosts; rank 0's rows."""
-    import tempfile
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test"))
-    import multihost
-
-    with tempfile.TemporaryDirectory() as tmp, multihost.TwoHosts(**netem) as hosts:
-        result_file = os.path.join(tmp, "rows.json")
-        args = ["--torchrun-worker", result_file, "--repeats", str(repeats), "--min-bytes",
-                str(sizes[0]), "--max-bytes", str(sizes[-1]), "--ops", *ops]
-        link = measure_link_limits(hosts, ranks_per_host)
-        out = hosts.torchrun(os.path.abspath(__file__), args, ranks_per_host, timeout=3600)
-        if not os.path.exists(result_file):
-            raise SystemExit("the two-host run failed:\n" + "\n".join(h.output[-4000:]
-                                                                       for h in out))
-        # Again after the collectives: the limit is the best the link gave
-        # around them.
-        after = measure_link_limits(hosts, ranks_per_host)
-        link = {key: max(link[key], after[key]) for key in link}
-        print(f"{ranks_per_host} rank(s) per host: plain TCP between the hosts, GB/s per "
-              f"direction (best of {2 * LINK_ROUNDS} rounds): "
-              + ", ".join(f"{key} {value:.2f}" for key, value in link.items()))
-        with open(result_file) as f:
-            rows = json.load(f)
-        for row in rows:
-            row["link_GBps"] = link
-        return rows
-
-
-LINK_ROUNDS = 3
-
-
-def measure_link_limits(hosts, ranks_per_host):
-    from _tcp_link import measure_link_limits as measure
-
-    return measure(hosts, ranks_per_host, LINK_ROUNDS)
+    """Runs the measurement under torchrun on two emulated hosts; rank 0's
+    rows, each with the link's limits measured around the run."""
+    args = ["--repeats", str(repeats), "--min-bytes", str(sizes[0]), "--max-bytes",
+            str(sizes[-1]), "--ops", *ops]
+    rows, link = two_hosts(__file__, args, ranks_per_host, **netem)
+    print(f"{ranks_per_host} rank(s) per host: plain TCP between the hosts, GB/s per "
+          f"direction (best of the rounds before and after): "
+          + ", ".join(f"{key} {value:.2f}" for key, value in link.items()))
+    for row in rows:
+        row["link_GBps"] = link
+    return rows
 
 
 def link_traffic(op, nbytes, hosts):

@@ -437,8 +437,8 @@ def main():
         return _torchrun_worker(args)
     link = None
     if args.hosts == 2:
-        argv = [a for a in sys.argv[1:]]
-        ran, link = run_on_two_hosts(__file__, argv, args.ranks_per_host, args.netem_rate_mbit)
+        ran, link = run_on_two_hosts(__file__, sys.argv[1:], args.ranks_per_host,
+                                     args.netem_rate_mbit)
         results, args.world_size, args.no_memory = ran["results"], ran["world_size"], True
     else:
         results = run_ranks(args.world_size, _timing_worker, args)

@@ -253,59 +253,46 @@ def train(rank, world, steps):
 
 
 def kill(rank, world, victim, marker, op):
+    """--victim SIGKILLs itself; the others report what the backend told them.
+
+    all_reduce: it dies while the others already wait in the next all_reduce.
+    all_gather: it dies with a large all-gather in flight (4 MiB per rank, so
+    over hosts its phases run in pieces: Note [pipelined hierarchical
+    phases]) while the others keep all-gathering until the backend tells them.
+    """
     # torchrun's agent SIGTERMs the victim's host-mates as soon as it sees
     # the victim die; they ignore that to report what the backend told them.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if op == "all_gather":
-        return kill_during_all_gathers(rank, world, victim, marker)
-    x = torch.ones(4096)
+        shard = torch.full((1 << 20,), float(rank))
+        out = torch.empty(world << 20)
+
+        def collective(async_op=False):
+            return dist.all_gather_into_tensor(out, shard, async_op=async_op)
+    else:
+        x = torch.ones(4096)
+
+        def collective(async_op=False):
+            return dist.all_reduce(x, async_op=async_op)
     for _ in range(3):
-        dist.all_reduce(x)
+        collective()
     dist.barrier()
     if rank == victim:
-        # Dies while the others already wait in the next all_reduce; says
-        # when, so survivors can tell how long noticing took (one clock:
-        # both hosts are namespaces of one machine).
-        time.sleep(0.5)
+        if op == "all_gather":
+            collective(async_op=True)
+            time.sleep(0.003)
+        else:
+            time.sleep(0.5)
+        # Says when, so survivors can tell how long noticing took (one
+        # clock: both hosts are namespaces of one machine).
         with open(marker, "w") as f:
             f.write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
     started = time.monotonic()
     try:
-        dist.all_reduce(x)
-        report(rank, error=None)
-    except Exception as error:  # noqa: BLE001  (reported to the test)
-        now, elapsed = time.time(), time.monotonic() - started
-        with open(marker) as f:
-            death = float(f.read())
-        try:
-            dist.all_reduce(x)
-            refused = None
-        except Exception as again:  # noqa: BLE001
-            refused = str(again)
-        report(rank, error=str(error), type=type(error).__name__, seconds=elapsed,
-               noticed_after=now - death, refused=refused)
-
-
-def kill_during_all_gathers(rank, world, victim, marker):
-    """The victim dies with a large all-gather in flight: 4 MiB per rank, so
-    over hosts its phases run in pieces (Note [pipelined hierarchical
-    phases]); the others keep all-gathering until the backend tells them."""
-    shard = torch.full((1 << 20,), float(rank))
-    out = torch.empty(world << 20)
-    for _ in range(3):
-        dist.all_gather_into_tensor(out, shard)
-    dist.barrier()
-    if rank == victim:
-        dist.all_gather_into_tensor(out, shard, async_op=True)
-        time.sleep(0.003)
-        with open(marker, "w") as f:
-            f.write(repr(time.time()))
-        os.kill(os.getpid(), signal.SIGKILL)
-    started = time.monotonic()
-    try:
-        while time.monotonic() - started < 60:
-            dist.all_gather_into_tensor(out, shard)
+        collective()
+        while op == "all_gather" and time.monotonic() - started < 60:
+            collective()
         report(rank, error=None)
     except Exception as error:  # noqa: BLE001  (reported to the test)
         now, elapsed = time.time(), time.monotonic() - started

@@ -101,38 +101,40 @@ class ForcedAlgorithm : public ::testing::TestWithParam<Case> {
   std::unique_ptr<LoopbackGroup> group_;
 };
 
-TEST_P(ForcedAlgorithm, Allgather) {
-  LoopbackGroup& group = *group_;
+// One all-gather of `count` floats per rank, checked block by block.
+void expect_allgather(LoopbackGroup& group, size_t count) {
   const int n = group.size();
-  for (size_t count : kCounts) {
-    std::vector<std::vector<float>> inputs(n), outputs(n);
-    for (int r = 0; r < n; ++r) {
-      inputs[r] = filled(count, r);
-      outputs[r].assign(count * n, -1.0f);
+  std::vector<std::vector<float>> inputs(n), outputs(n);
+  for (int r = 0; r < n; ++r) {
+    inputs[r] = filled(count, r);
+    outputs[r].assign(count * n, -1.0f);
+  }
+  group.run_ok("allgather", [&](int r, OpContext& context) {
+    std::vector<MutableSpan> blocks;
+    for (int p = 0; p < n; ++p) {
+      blocks.push_back(MutableSpan{outputs[r].data() + p * count, count * sizeof(float)});
     }
-    group.run_ok("allgather", [&](int r, OpContext& context) {
-      std::vector<MutableSpan> blocks;
-      for (int p = 0; p < n; ++p) {
-        blocks.push_back(MutableSpan{outputs[r].data() + p * count, count * sizeof(float)});
-      }
-      allgather(context, ConstSpan{inputs[r].data(), count * sizeof(float)}, blocks);
-    });
-    for (int r = 0; r < n; ++r) {
-      for (int p = 0; p < n; ++p) {
-        EXPECT_EQ(first_mismatch(outputs[r].data() + p * count, count,
-                                 [&](size_t i) { return value(p, i); }),
-                  -1)
-            << "rank " << r << ", block of rank " << p << ", " << count << " floats";
-      }
+    allgather(context, ConstSpan{inputs[r].data(), count * sizeof(float)}, blocks);
+  });
+  for (int r = 0; r < n; ++r) {
+    for (int p = 0; p < n; ++p) {
+      EXPECT_EQ(first_mismatch(outputs[r].data() + p * count, count,
+                               [&](size_t i) { return value(p, i); }),
+                -1)
+          << "rank " << r << ", block of rank " << p << ", " << count << " floats";
     }
   }
+}
+
+TEST_P(ForcedAlgorithm, Allgather) {
+  for (size_t count : kCounts) expect_allgather(*group_, count);
   // Over pretend hosts each op ran as phases, each reserving a block of
   // sequence numbers; on one host each op took one.
   const uint64_t ops = kCounts.size();
   if (GetParam().hosts > 1) {
-    EXPECT_GE(group.engine(0).sequences_used(), ops * kSeqsPerPhase);
+    EXPECT_GE(group_->engine(0).sequences_used(), ops * kSeqsPerPhase);
   } else {
-    EXPECT_EQ(group.engine(0).sequences_used(), ops);
+    EXPECT_EQ(group_->engine(0).sequences_used(), ops);
   }
 }
 
@@ -541,22 +543,14 @@ TEST_P(PipelinedPhases, AllgatherReduceScatterAndAverage) {
   const int n = group.size();
   for (size_t count : kPipelinedCounts) {
     const size_t pieces = (count + kFloatsPerPiece - 1) / kFloatsPerPiece;
-    std::vector<std::vector<float>> inputs(n), gathered(n), full(n), summed(n), averaged(n);
+    std::vector<std::vector<float>> full(n), summed(n), averaged(n);
     for (int r = 0; r < n; ++r) {
-      inputs[r] = filled(count, r);
-      gathered[r].assign(count * n, -1.0f);
       full[r] = filled(count * n, r);
       summed[r].assign(count, -1.0f);
       averaged[r].assign(count, -1.0f);
     }
     uint64_t before = group.engine(0).sequences_used();
-    group.run_ok("allgather", [&](int r, OpContext& context) {
-      std::vector<MutableSpan> blocks;
-      for (int p = 0; p < n; ++p) {
-        blocks.push_back(MutableSpan{gathered[r].data() + p * count, count * sizeof(float)});
-      }
-      allgather(context, ConstSpan{inputs[r].data(), count * sizeof(float)}, blocks);
-    });
+    expect_allgather(group, count);
     expect_pipelined("allgather", before, pieces);
     for (const bool average : {false, true}) {
       before = group.engine(0).sequences_used();
@@ -574,12 +568,6 @@ TEST_P(PipelinedPhases, AllgatherReduceScatterAndAverage) {
       expect_pipelined("reduce_scatter", before, pieces);
     }
     for (int r = 0; r < n; ++r) {
-      for (int p = 0; p < n; ++p) {
-        EXPECT_EQ(first_mismatch(gathered[r].data() + p * count, count,
-                                 [&](size_t i) { return value(p, i); }),
-                  -1)
-            << "allgather: rank " << r << ", block of rank " << p << ", " << count << " floats";
-      }
       const size_t offset = static_cast<size_t>(r) * count;
       EXPECT_EQ(first_mismatch(summed[r].data(), count,
                                [&](size_t i) { return sum_of_values(n, offset + i); }),

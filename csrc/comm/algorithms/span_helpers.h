@@ -89,12 +89,13 @@ struct Piece {
   size_t offset;
   size_t bytes;
 };
+// An empty total is one empty piece (the member still takes part).
 inline std::vector<Piece> pieces_of(size_t total, size_t element) {
+  if (total == 0) return {Piece{0, 0}};
   const size_t piece = std::max(element, kPipelinePieceBytes / element * element);
   std::vector<Piece> out;
-  for (size_t offset = 0; offset < total || out.empty(); offset += piece) {
+  for (size_t offset = 0; offset < total; offset += piece) {
     out.push_back(Piece{offset, std::min(piece, total - offset)});
-    if (total == 0) break;
   }
   return out;
 }

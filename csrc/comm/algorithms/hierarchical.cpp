@@ -73,7 +73,9 @@ OpContext column_phase(OpContext& context, const HostTopology& topology, int loc
 //                    within the host while piece k+1 is reduced.
 //   broadcast      : the root's column member sends every piece at once; each
 //                    column member broadcasts a piece within its host as soon
-//                    as it is in.
+//                    as it is in (the root's host at once). Up to 8 hosts a
+//                    bucket too small to cut still takes this path, as one
+//                    piece, for that overlap on the root's host.
 //
 // Ordering: each piece's local phase is a sub_group of its own (its own
 // sequence numbers, reserved alike on every rank because every rank cuts the
@@ -304,10 +306,22 @@ bool pipelined_allreduce(OpContext& context, const HostTopology& topology,
   return true;
 }
 
+// Hosts up to which the root's column member sends to every other host
+// itself (as the flat broadcast does up to this many ranks); beyond, the
+// unpipelined path's column broadcast picks a tree.
+constexpr size_t kColumnFanOutMaxHosts = 8;
+
+// Also the unpipelined broadcast of up to kColumnFanOutMaxHosts hosts, as one
+// piece: the root's host then broadcasts within itself while the bucket
+// crosses to the others, instead of after (2x2, 256 KiB: the column send and
+// the root host's local phase no longer add up).
 bool pipelined_broadcast(OpContext& context, const HostTopology& topology, MutableSpan data,
                          int root_host, int root_local) {
-  const std::vector<PieceOfMember> pieces = pipeline_pieces(
+  std::vector<PieceOfMember> pieces = pipeline_pieces(
       std::vector<MutableSpan>{data}, [](const MutableSpan& d) { return d.bytes; }, 1);
+  if (pieces.empty() && topology.hosts.size() <= kColumnFanOutMaxHosts) {
+    pieces.push_back(PieceOfMember{0, detail::Piece{0, data.bytes}});
+  }
   if (pieces.empty()) return false;
   // Every rank reserves the column's sequence numbers, taking part or not.
   OpContext column = column_phase(context, topology, root_local);

@@ -230,8 +230,16 @@ const std::string& ProgressEngine::check_peers() {
   return peer_lost_;
 }
 
-ProgressEngine::IdleState ProgressEngine::fresh_idle_state() const {
-  return IdleState{Clock::now() + config_.spin, kPendingSliceMin};
+ProgressEngine::IdleState ProgressEngine::fresh_idle_state(bool progressed) {
+  const auto now = Clock::now();
+  if (progressed) cadence_.note_progress(now);
+  IdleState state{now + config_.spin, kPendingSliceMin, now, now};
+  const Clock::duration gap = cadence_.gap();
+  if (gap > config_.spin) {
+    state.nap_until = now + gap / 2;
+    state.watch_until = now + std::min<Clock::duration>(2 * gap, ProgressCadence::kMaxGap);
+  }
+  return state;
 }
 
 void ProgressEngine::idle_wait(IdleState& state, Clock::time_point until, bool in_op,
@@ -241,8 +249,18 @@ void ProgressEngine::idle_wait(IdleState& state, Clock::time_point until, bool i
     sched_yield();
     return;
   }
+  // A stream at a known cadence: awake (spinning) when its next event is due.
+  const bool streaming = requests_pending && now < state.watch_until;
+  if (streaming && now >= state.nap_until) {
+    sched_yield();
+    return;
+  }
   // Busy: UCX has events queued that arming would lose; progress instead.
   if (!transport_->arm()) return;
+  if (streaming) {
+    wakeup_->sleep(std::min(until, state.nap_until), /*wake_on_submit=*/!in_op);
+    return;
+  }
   if (requests_pending) {
     until = std::min(until, now + state.pending_slice);
     state.pending_slice = std::min(state.pending_slice * 2, kPendingSliceMax);
@@ -251,7 +269,7 @@ void ProgressEngine::idle_wait(IdleState& state, Clock::time_point until, bool i
 }
 
 void ProgressEngine::thread_main() {
-  IdleState idle = fresh_idle_state();
+  IdleState idle = fresh_idle_state(/*progressed=*/false);
   for (;;) {
     EngineOp op;
     bool have_op = false;
@@ -274,7 +292,7 @@ void ProgressEngine::thread_main() {
         std::lock_guard<std::mutex> lock(mutex_);
         op_running_ = false;
       }
-      idle = fresh_idle_state();
+      idle = fresh_idle_state(/*progressed=*/false);
       continue;
     }
     if (stopping) {
@@ -286,7 +304,7 @@ void ProgressEngine::thread_main() {
     check_peers();
     const bool completed = poll_in_flight(false);
     if (progressed > 0 || completed) {
-      idle = fresh_idle_state();
+      idle = fresh_idle_state(/*progressed=*/true);
       continue;
     }
     idle_wait(idle, nearest_deadline(), /*in_op=*/false, !in_flight_.empty());
@@ -472,7 +490,7 @@ void ProgressEngine::wait_for(const std::string& description, Clock::time_point 
     orphan_unfinished(requests, running_ ? running_->keepalive : nullptr, true);
     throw CommError(kind, message);
   };
-  IdleState idle = fresh_idle_state();
+  IdleState idle = fresh_idle_state(/*progressed=*/false);
   for (;;) {
     const unsigned progressed = transport_->progress();
     if (finished()) break;
@@ -515,7 +533,7 @@ void ProgressEngine::wait_for(const std::string& description, Clock::time_point 
                "init_process_group(timeout=...))." + peers);
     }
     if (progressed > 0) {
-      idle = fresh_idle_state();
+      idle = fresh_idle_state(/*progressed=*/true);
       continue;
     }
     // Note [a size that straddles the channel's limit] (small_op_channel.h).

@@ -32,6 +32,7 @@
 #include "comm/error.h"
 #include "comm/op_context.h"
 #include "comm/peer_liveness.h"
+#include "comm/progress_cadence.h"
 #include "comm/scratch_arena.h"
 #include "comm/transport.h"
 
@@ -246,12 +247,17 @@ class ProgressEngine {
   void mark_broken(const std::string& reason);
   // Sleep policy while nothing progresses: spin briefly, then arm the
   // worker and sleep until `until` (in short slices while requests are
-  // pending).
+  // pending). While a stream makes progress at a known cadence longer than
+  // the spin, requests pending nap until half the gap has passed and spin
+  // until twice the gap (progress_cadence.h).
   struct IdleState {
     Clock::time_point spin_until;
     std::chrono::microseconds pending_slice;
+    Clock::time_point nap_until;
+    Clock::time_point watch_until;
   };
-  IdleState fresh_idle_state() const;
+  // Called when something progressed (or an op starts): restarts the policy.
+  IdleState fresh_idle_state(bool progressed);
   void idle_wait(IdleState& state, Clock::time_point until, bool in_op, bool requests_pending);
   // Collects peers that exited or whose endpoint failed; returns the message
   // describing the first loss ("" while every peer is alive).
@@ -261,6 +267,7 @@ class ProgressEngine {
   EngineConfig config_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<ScratchArena> scratch_;
+  ProgressCadence cadence_;  // the progress thread's only
 
   mutable std::mutex mutex_;
   std::deque<EngineOp> queue_;

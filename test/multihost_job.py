@@ -233,23 +233,22 @@ def train(rank, world, steps):
             group or dist.group.WORLD, "cpu")
         for name, shard in (("ours", our_fully_shard), ("upstream", upstream_fully_shard)):
             losses[f"{name}/{backend}"] = run(build(shard, mesh))
-    refusal = ""
     if world == 4:
-        # HSDP with a shard group per host (replicas across the hosts): ours
-        # with host-shared parameters against without; and FSDP over both
-        # hosts, which host-shared parameters refuse.
+        # Host-shared parameters: HSDP with a shard group per host (replicas
+        # across the hosts), and FSDP over both hosts (a copy per host, the
+        # other host's shards sent into it: Note [host-shared parameters
+        # across hosts]) on both backends; each against ours without.
         from torch.distributed.device_mesh import init_device_mesh
 
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         losses["ours/hsdp"] = run(build(our_fully_shard, hsdp))
         losses["ours/hsdp+host-shared"] = run(build(our_fully_shard, hsdp, host_shared=True))
-        across = build(our_fully_shard, torch.distributed.device_mesh.DeviceMesh.from_group(
-            dist.group.WORLD, "cpu"), host_shared=True)
-        try:
-            across(torch.randn(8, 32))
-        except NotImplementedError as e:
-            refusal = str(e)
-    report(rank, losses=losses, refusal=refusal)
+        for backend, group in (("fsdp_ext", None), ("gloo", gloo)):
+            mesh = torch.distributed.device_mesh.DeviceMesh.from_group(
+                group or dist.group.WORLD, "cpu")
+            losses[f"ours/{backend}+host-shared"] = run(
+                build(our_fully_shard, mesh, host_shared=True))
+    report(rank, losses=losses)
 
 
 def kill(rank, world, victim, marker, op):

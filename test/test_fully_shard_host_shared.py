@@ -9,8 +9,10 @@ gradient sync; HSDP (2 x 2: the shard groups are the host's pairs);
 host-shared together with per-parameter reduce-scatters; and explicit
 forward and backward prefetching with rank 1 made slow on purpose (sleeps
 inside every block's forward and backward and before its optimizer step).
-reshard_after_forward True is the default of the other cases. Every group
-must be host-shared and no all-gather may run.
+reshard_after_forward True is the default of the other cases. And ranks 0, 1
+and 2, 3 pretending to be two hosts (bf16, reshard 2, the slow rank 1): two
+copies, each host's shards sent to the other's. Every group must be
+host-shared and no all-gather may run.
 
 The ordering rule that protects a slower rank (Note [ordering of host-shared
 unsharded parameters]) is checked where it matters: a single-group model
@@ -30,6 +32,7 @@ import sys
 import textwrap
 import time
 from collections import Counter
+from unittest import mock
 
 import pytest
 import torch
@@ -51,6 +54,10 @@ CASES = {
     "hsdp": ((2, 2), {}, {}),
     "per_parameter_reduce": ((4,), {}, {"per_parameter": True}),
     "slow_rank_explicit_prefetch": ((4,), {}, {"slow": True, "prefetch": True}),
+    # Note [host-shared parameters across hosts]: ranks 0, 1 and 2, 3 pretend
+    # to be on two hosts (two copies, the column exchange between them).
+    "two_pretend_hosts_slow_rank_bf16": ((4,), {"mp": torch.bfloat16, "reshard_after_forward": 2},
+                                         {"pretend_hosts": True, "slow": True, "prefetch": True}),
 }
 
 
@@ -65,6 +72,14 @@ def _slow_hooks(model):
 
 
 def _train(ctx, impl, host_shared, case):
+    if not CASES[case][2].get("pretend_hosts"):
+        return _train_on(ctx, impl, host_shared, case)
+    pretend = f"pretend-host-{dist.get_rank() // 2}"
+    with mock.patch("torch_fsdp_ext.fsdp._host_shared.socket.gethostname", return_value=pretend):
+        return _train_on(ctx, impl, host_shared, case)
+
+
+def _train_on(ctx, impl, host_shared, case):
     shape, kwargs, extras = CASES[case]
     api = fsdp_api(impl)
     kwargs = dict(kwargs)
@@ -134,6 +149,9 @@ def test_host_shared_changes_no_number(case):
                     (case, rank, reference, what)
         counts = shared["counts"]
         assert not any("allgather" in name for name in counts), counts
+        # Across (pretend) hosts, only the column exchange's messages.
+        across = CASES[case][2].get("pretend_hosts", False)
+        assert ("c10d::send" in counts and "c10d::recv_" in counts) == across, counts
         # The reference does gather (flat, or per parameter).
         assert any("allgather" in name for name in runs["ours"][rank]["counts"])
 
@@ -273,3 +291,17 @@ def test_refusals():
     dim_1, too_late = get_pool(2).run(_refusals)[0]
     assert "sharded on dim 0" in dim_1 and "is sharded on dim 1" in dim_1, dim_1
     assert "before the first forward" in too_late, too_late
+
+
+def test_host_layout_pairs_each_rank_with_its_column():
+    from torch_fsdp_ext.fsdp._host_shared import host_layout
+
+    # One host: all ranks, and a column of one (no exchange).
+    assert host_layout(["a"] * 3, 1) == ([0, 1, 2], [1])
+    # Two hosts, ranks interleaved: each host's ranks in rank order; column l
+    # holds the l-th rank of every host, hosts in order of their first rank.
+    assert host_layout(["b", "a", "b", "a"], 0) == ([0, 2], [0, 1])
+    assert host_layout(["b", "a", "b", "a"], 3) == ([1, 3], [2, 3])
+    assert host_layout(["a", "a", "b", "b", "c", "c"], 5) == ([4, 5], [1, 3, 5])
+    with pytest.raises(NotImplementedError, match=r"unequal numbers.*'a': 3, 'b': 1"):
+        host_layout(["a", "a", "a", "b"], 3)

@@ -155,6 +155,18 @@ WorkPtr CollectiveGroup::all_reduce(at::Tensor& tensor) const {
   return without_gil([&] { return group_->allreduce(tensors, options); });
 }
 
+WorkPtr CollectiveGroup::send(at::Tensor& tensor, int64_t peer, int tag) const {
+  TORCH_INTERNAL_ASSERT(!python_impl_, "fsdp_ext CollectiveGroup::send on a Python group");
+  std::vector<at::Tensor> tensors{tensor};
+  return without_gil([&] { return group_->send(tensors, static_cast<int>(peer), tag); });
+}
+
+WorkPtr CollectiveGroup::recv(at::Tensor& tensor, int64_t peer, int tag) const {
+  TORCH_INTERNAL_ASSERT(!python_impl_, "fsdp_ext CollectiveGroup::recv on a Python group");
+  std::vector<at::Tensor> tensors{tensor};
+  return without_gil([&] { return group_->recv(tensors, static_cast<int>(peer), tag); });
+}
+
 at::Tensor CollectiveGroup::buffer(int64_t numel, const at::TensorOptions& options,
                                    bool from_group, Purpose purpose) const {
   const py::object& custom =

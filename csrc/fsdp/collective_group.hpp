@@ -56,6 +56,11 @@ class FSDP_EXT_HIDDEN CollectiveGroup {
   WorkPtr reduce_scatter(at::Tensor& output, at::Tensor& input,
                          std::optional<double> premul = std::nullopt, bool average = false) const;
   WorkPtr all_reduce(at::Tensor& tensor) const;
+  // Point-to-point, for host-shared parameters' exchange across hosts
+  // (host_shared_parameters.hpp); not for Python groups (refused earlier).
+  WorkPtr send(at::Tensor& tensor, int64_t peer, int tag) const;
+  WorkPtr recv(at::Tensor& tensor, int64_t peer, int tag) const;
+  bool python_impl() const { return python_impl_; }
 
   // One collective over a list of (output, input) pairs, each pair as the
   // flat op above (our backend runs them as one fused operation); only where

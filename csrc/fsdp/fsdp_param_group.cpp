@@ -219,18 +219,36 @@ int64_t FsdpParamGroup::host_shared_bytes() const {
 }
 
 void FsdpParamGroup::use_host_shared(at::Tensor region, at::Tensor control,
-                                     std::vector<int64_t> pids, std::chrono::milliseconds timeout) {
+                                     std::vector<int64_t> host_ranks,
+                                     std::vector<int64_t> host_pids,
+                                     std::vector<int64_t> column_ranks,
+                                     std::chrono::milliseconds timeout) {
   const int64_t world = shard_group_.size();
-  TORCH_CHECK_VALUE(static_cast<int64_t>(pids.size()) == world, "fsdp_ext FsdpParamGroup(",
-                    module_fqn_, "): ", pids.size(), " pids for a shard group of ", world);
+  const int64_t rank = shard_group_.rank();
+  const auto where = [&] { return "fsdp_ext FsdpParamGroup(" + module_fqn_ + ")"; };
+  TORCH_CHECK_VALUE(host_pids.size() == host_ranks.size(), where(), ": ", host_pids.size(),
+                    " pids for ", host_ranks.size(), " ranks on this host");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(host_ranks.size() * column_ranks.size()) == world,
+                    where(), ": ", host_ranks.size(), " ranks per host times ",
+                    column_ranks.size(), " hosts where the shard group has ", world);
+  const auto position = [&](const std::vector<int64_t>& ranks) {
+    const auto it = std::find(ranks.begin(), ranks.end(), rank);
+    TORCH_CHECK_VALUE(it != ranks.end(), where(), ": rank ", rank, " is not in ", ranks);
+    return static_cast<int64_t>(it - ranks.begin());
+  };
+  const int64_t local = position(host_ranks);
+  position(column_ranks);
   TORCH_CHECK_VALUE(region.scalar_type() == at::kByte && region.dim() == 1 &&
                         region.numel() == host_shared_bytes(),
-                    "fsdp_ext FsdpParamGroup(", module_fqn_, "): a host-shared region of ",
-                    region.numel(), " bytes where the parameters need ", host_shared_bytes());
+                    where(), ": a host-shared region of ", region.numel(),
+                    " bytes where the parameters need ", host_shared_bytes());
+  TORCH_CHECK_NOT_IMPLEMENTED(column_ranks.size() == 1 || !shard_group_.python_impl(), where(),
+                              ": host-shared parameters across hosts need a process group "
+                              "with a C++ backend (this one is implemented in Python)");
   for (const auto& param : params_) {
     // A rank's shard of a dim-d > 0 parameter is not one block of it.
-    TORCH_CHECK_NOT_IMPLEMENTED(param->shard_dim() == 0, "fsdp_ext FsdpParamGroup(", module_fqn_,
-                                "): host-shared parameters need every parameter sharded on dim "
+    TORCH_CHECK_NOT_IMPLEMENTED(param->shard_dim() == 0, where(),
+                                ": host-shared parameters need every parameter sharded on dim "
                                 "0; ", param->fqn(), " is sharded on dim ", param->shard_dim());
   }
   int64_t offset = 0;
@@ -239,8 +257,12 @@ void FsdpParamGroup::use_host_shared(at::Tensor region, at::Tensor control,
                                       .view(param->unsharded_dtype()));
     offset += host_shared_param_room(*param);
   }
+  host_shared_column_peers_.clear();
+  for (int64_t peer : column_ranks) {
+    if (peer != rank) host_shared_column_peers_.push_back(peer);
+  }
   host_shared_ = std::make_unique<HostSharedParameters>(
-      std::move(control), shard_group_.rank(), pids, timeout,
+      std::move(control), local, host_ranks, host_pids, timeout,
       "fsdp_ext host-shared parameters of " + (module_fqn_.empty() ? "the root" : module_fqn_));
 }
 
@@ -258,8 +280,24 @@ void FsdpParamGroup::unshard_host_shared(PendingAllGather& pending) {
       copy_cast_raw(slot.data_ptr(), slot.scalar_type(), param->padded_sharded_data());
     }
   }
-  host_shared_->publish(host_shared_epoch_);
   pending.per_parameter = true;  // the parameters' memory is written: no copy-out
+  if (host_shared_column_peers_.empty()) {
+    host_shared_->publish(host_shared_epoch_);
+    return;
+  }
+  // Note [host-shared parameters across hosts] (host_shared_parameters.hpp):
+  // this rank's slots go to its column peers, theirs come straight into
+  // this host's memory; published once they are in (wait_for_unshard).
+  for (const auto& param : params_) {
+    const int64_t padded = param->padded_shard_numel();
+    const at::Tensor& output = param->allocated_all_gather_output();
+    at::Tensor mine = output.narrow(0, rank * padded, padded);
+    for (int64_t peer : host_shared_column_peers_) {
+      at::Tensor theirs = output.narrow(0, peer * padded, padded);
+      pending.column_exchange.push_back(shard_group_.recv(theirs, peer, HostSharedParameters::kColumnTag));
+      pending.column_exchange.push_back(shard_group_.send(mine, peer, HostSharedParameters::kColumnTag));
+    }
+  }
 }
 
 void FsdpParamGroup::wait_for_unshard() {
@@ -279,6 +317,10 @@ void FsdpParamGroup::wait_for_unshard() {
     // The collective wrote the parameters' own storage: nothing to copy.
     ProfilerRange range([&] { return profile_label("FSDP::all_gather_wait"); });
     wait_releasing_gil(pending.work);
+    if (!pending.column_exchange.empty()) {
+      for (const WorkPtr& work : pending.column_exchange) wait_releasing_gil(work);
+      host_shared_->publish(host_shared_epoch_);
+    }
   } else {
     ProfilerRange range([&] { return profile_label("FSDP::all_gather_copy_out"); });
     wait_releasing_gil(pending.work);

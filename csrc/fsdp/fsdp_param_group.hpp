@@ -151,10 +151,14 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   // Host-shared parameters (host_shared_parameters.hpp, and the Python
   // setter that maps the memory): bytes of the parameters' region (each
   // parameter padded to its full size, 64-byte aligned, in group order), then
-  // the switch itself, given that region, the control block, the pids of the
-  // shard group's ranks and the wait timeout. Before the first forward.
+  // the switch itself, given that region, this host's control block, the
+  // shard-group ranks on this host (in rank order) and their pids, this
+  // rank's column (the shard-group ranks at its position on every host, in
+  // host order; just this rank when the group is on one host) and the wait
+  // timeout. Before the first forward.
   int64_t host_shared_bytes() const;
-  void use_host_shared(at::Tensor region, at::Tensor control, std::vector<int64_t> pids,
+  void use_host_shared(at::Tensor region, at::Tensor control, std::vector<int64_t> host_ranks,
+                       std::vector<int64_t> host_pids, std::vector<int64_t> column_ranks,
                        std::chrono::milliseconds timeout);
   bool host_shared() const { return host_shared_ != nullptr; }
 
@@ -196,6 +200,9 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
     // until it completes (casts under mixed precision).
     bool per_parameter = false;
     std::vector<at::Tensor> inputs;
+    // Host-shared across hosts: the column exchange's sends and receives,
+    // waited before this rank publishes the epoch.
+    std::vector<WorkPtr> column_exchange;
   };
 
   // Whether this group's collectives on `group` go per parameter now
@@ -237,6 +244,7 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   std::optional<PendingAllGather> pending_all_gather_;
   std::unique_ptr<HostSharedParameters> host_shared_;
   uint64_t host_shared_epoch_ = 0;  // unshards so far (every rank alike)
+  std::vector<int64_t> host_shared_column_peers_;  // shard-group ranks on other hosts
   std::vector<size_t> post_forward_indices_;
   // Weak: targets are other groups, which may own (prefetch) this one.
   std::vector<std::weak_ptr<FsdpParamGroup>> forward_prefetch_;

@@ -45,15 +45,19 @@ std::atomic_ref<uint64_t> atomic(uint64_t* address) { return std::atomic_ref<uin
 }  // namespace
 
 HostSharedParameters::HostSharedParameters(at::Tensor control, int64_t rank,
+                                           const std::vector<int64_t>& group_ranks,
                                            const std::vector<int64_t>& pids,
                                            std::chrono::milliseconds timeout, std::string label)
     : control_(std::move(control)),
       rank_(rank),
+      group_ranks_(group_ranks),
       pids_(pids),
       timeout_(timeout),
       label_(std::move(label)) {
   const int64_t ranks = static_cast<int64_t>(pids_.size());
   TORCH_CHECK_VALUE(rank_ >= 0 && rank_ < ranks, label_, ": rank ", rank_, " of ", ranks);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(group_ranks_.size()) == ranks, label_, ": ",
+                    group_ranks_.size(), " group ranks for ", ranks, " pids");
   TORCH_CHECK_VALUE(control_.is_contiguous() && control_.nbytes() >=
                         static_cast<size_t>(ranks * kControlBytesPerRank),
                     label_, ": a control block of ", control_.nbytes(), " bytes for ", ranks,
@@ -99,16 +103,16 @@ void HostSharedParameters::wait_for_all(Word which, uint64_t epoch) {
         const char* phase = which == kEntered ? "enter" : "publish its shards for";
         if (has_exited(pidfds_[r], pids_[r])) {
           C10_THROW_ERROR(DistBackendError,
-                          label_ + ": rank " + std::to_string(r) + " (pid " +
+                          label_ + ": rank " + std::to_string(group_ranks_[r]) + " (pid " +
                               std::to_string(pids_[r]) + ") of this host exited while rank " +
-                              std::to_string(rank_) + " waited for it to " + phase +
+                              std::to_string(group_ranks_[rank_]) + " waited for it to " + phase +
                               " unshard " + std::to_string(epoch));
         }
         if (now - start > timeout_) {
           C10_THROW_ERROR(DistBackendError,
-                          label_ + ": rank " + std::to_string(rank_) + " waited " +
-                              std::to_string(timeout_.count()) + " ms for rank " +
-                              std::to_string(r) + " (pid " + std::to_string(pids_[r]) + ") to " +
+                          label_ + ": rank " + std::to_string(group_ranks_[rank_]) +
+                              " waited " + std::to_string(timeout_.count()) + " ms for rank " +
+                              std::to_string(group_ranks_[r]) + " (pid " + std::to_string(pids_[r]) + ") to " +
                               phase + " unshard " + std::to_string(epoch));
         }
       }

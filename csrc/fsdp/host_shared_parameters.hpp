@@ -34,6 +34,22 @@
 // the same synchronisation an all-gather has; they add no ordering a
 // collective would not.
 //
+// Note [host-shared parameters across hosts]
+// When the shard group spans H hosts with L ranks each, every host maps its
+// own copy, with the same layout (every shard-group rank's slot), and the
+// waits above are among the L ranks of the host. The rank at position l on
+// each host forms column l. At step 2, after writing its own slots, a rank
+// sends them to its column peers (point-to-point on the shard group, one
+// message per parameter and peer, tag kColumnTag) and receives theirs
+// straight into their slots of its host's memory: only the other hosts'
+// shards cross the network, each once per host, and nothing is copied out.
+// It publishes (step 3) once its sends and receives are done
+// (wait_for_unshard), so the epoch's writes by the network, too, come after
+// every rank of the host entered it and before any reads it; and its own
+// slots, which its sends read, are not rewritten before the next epoch's
+// enter. The exchange is issued at unshard and waited at wait_for_unshard,
+// so a prefetched unshard overlaps the wire with compute, as an all-gather.
+//
 // A rank that exits while another waits for it is an error for the waiting
 // rank within milliseconds (its pidfd becomes readable); a rank that hangs
 // is an error after the group's timeout. Both name the rank and the phase.
@@ -56,12 +72,18 @@ class FSDP_EXT_HIDDEN HostSharedParameters {
   // Bytes of control block per rank: one cache line, so no two ranks'
   // words share one.
   static constexpr int64_t kControlBytesPerRank = 64;
+  // The tag of the column exchange's messages (Note [host-shared parameters
+  // across hosts]): apart from the tags users pick for their own.
+  static constexpr int kColumnTag = 0x48535030;  // "HSP0"
 
   // `control`: kControlBytesPerRank * pids.size() bytes of the memory every
-  // rank maps, zeroed before first use; `pids`: the processes of the group's
-  // ranks, by group rank; `label` names the group in errors.
-  HostSharedParameters(at::Tensor control, int64_t rank, const std::vector<int64_t>& pids,
-                       std::chrono::milliseconds timeout, std::string label);
+  // rank of this host maps, zeroed before first use; `rank`: this rank's
+  // position among them; `group_ranks` and `pids`: their shard-group ranks
+  // (which errors name) and processes, in that order; `label` names the
+  // group in errors.
+  HostSharedParameters(at::Tensor control, int64_t rank, const std::vector<int64_t>& group_ranks,
+                       const std::vector<int64_t>& pids, std::chrono::milliseconds timeout,
+                       std::string label);
 
   void enter(uint64_t epoch);    // steps 1 of the note
   void publish(uint64_t epoch);  // step 3
@@ -72,7 +94,8 @@ class FSDP_EXT_HIDDEN HostSharedParameters {
   void wait_for_all(Word which, uint64_t epoch);
 
   at::Tensor control_;  // keeps the mapping alive
-  int64_t rank_;
+  int64_t rank_;  // position among this host's ranks
+  std::vector<int64_t> group_ranks_;
   std::vector<int64_t> pids_;
   std::vector<comm::UniqueFd> pidfds_;  // by rank; invalid for this rank
   std::chrono::milliseconds timeout_;

@@ -194,12 +194,15 @@ void bind_fsdp_runtime(py::module_& m) {
       .def("host_shared_bytes", &FsdpParamGroup::host_shared_bytes)
       .def(
           "use_host_shared",
-          [](FsdpParamGroup& g, at::Tensor region, at::Tensor control, std::vector<int64_t> pids,
-             double timeout_seconds) {
-            g.use_host_shared(std::move(region), std::move(control), std::move(pids),
+          [](FsdpParamGroup& g, at::Tensor region, at::Tensor control,
+             std::vector<int64_t> host_ranks, std::vector<int64_t> host_pids,
+             std::vector<int64_t> column_ranks, double timeout_seconds) {
+            g.use_host_shared(std::move(region), std::move(control), std::move(host_ranks),
+                              std::move(host_pids), std::move(column_ranks),
                               std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1e3)));
           },
-          py::arg("region"), py::arg("control"), py::arg("pids"), py::arg("timeout_seconds"))
+          py::arg("region"), py::arg("control"), py::arg("host_ranks"), py::arg("host_pids"),
+          py::arg("column_ranks"), py::arg("timeout_seconds"))
       .def_property_readonly("host_shared", &FsdpParamGroup::host_shared)
       .def_property(
           "per_parameter_collectives",

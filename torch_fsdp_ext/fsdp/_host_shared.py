@@ -37,36 +37,55 @@ def share_groups(groups: list, label: str) -> None:
         _share(group, pg, f"{label} (group {group.module_fqn or 'root'})")
 
 
+def host_layout(hosts_by_rank: list, rank: int) -> tuple:
+    """(this host's ranks, this rank's column) of a shard group whose rank r
+    runs on host hosts_by_rank[r]: the ranks on this rank's host in rank
+    order, and the ranks at this rank's position on every host, hosts in
+    order of their first rank. Hosts with unequal rank counts are refused."""
+    hosts: dict = {}
+    for r, host in enumerate(hosts_by_rank):
+        hosts.setdefault(host, []).append(r)
+    counts = {host: len(ranks) for host, ranks in hosts.items()}
+    if len(set(counts.values())) > 1:
+        raise NotImplementedError(
+            "set_host_shared_parameters: a shard group over hosts with unequal numbers of its "
+            f"ranks ({counts}); host-shared parameters need the same number on every host")
+    mine = hosts[hosts_by_rank[rank]]
+    position = mine.index(rank)
+    return mine, [ranks[position] for ranks in hosts.values()]
+
+
 def _share(group, pg, label: str) -> None:
     n, rank = pg.size(), pg.rank()
     where: list = [None] * n
     dist.all_gather_object(where, (socket.gethostname(), os.getpid()), group=pg)
-    hosts = sorted({host for host, _ in where})
-    if len(hosts) > 1:
-        raise NotImplementedError(
-            f"set_host_shared_parameters: the shard group of {label} spans hosts {hosts}; "
-            "host-shared parameters need every rank of a shard group on one host (HSDP with "
-            "a shard group per host works)"
-        )
-    control_bytes = -(-n * _C._HOST_SHARED_CONTROL_BYTES_PER_RANK // _PAGE) * _PAGE
+    host_ranks, column = host_layout([host for host, _ in where], rank)
+    leader = host_ranks[0]
+    control_bytes = -(-len(host_ranks) * _C._HOST_SHARED_CONTROL_BYTES_PER_RANK // _PAGE) * _PAGE
     total = control_bytes + group.host_shared_bytes()
-    path: list = [None]
-    if rank == 0:
-        path[0] = os.path.join(_SHM_DIR, f"torch_fsdp_ext-{os.getpid()}-{uuid.uuid4().hex}")
-        fd = os.open(path[0], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    # Each host's first rank creates that host's file; every rank maps its own
+    # host's.
+    created = None
+    if rank == leader:
+        created = os.path.join(_SHM_DIR, f"torch_fsdp_ext-{os.getpid()}-{uuid.uuid4().hex}")
+        fd = os.open(created, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, total)  # zeros: the control block starts at epoch 0
         finally:
             os.close(fd)
-    dist.broadcast_object_list(path, src=dist.get_global_rank(pg, 0), group=pg)
+    paths: list = [None] * n
+    dist.all_gather_object(paths, created, group=pg)
     try:
-        memory = torch.from_file(path[0], shared=True, size=total, dtype=torch.uint8)
+        memory = torch.from_file(paths[leader], shared=True, size=total, dtype=torch.uint8)
     finally:
         dist.barrier(group=pg)  # everyone has mapped it (or failed to)
-        if rank == 0:
-            os.unlink(path[0])
-    pids = [pid for _, pid in where]
+        if created is not None:
+            os.unlink(created)
+    host_pids = [where[r][1] for r in host_ranks]
     timeout = dist.default_pg_timeout.total_seconds()
-    group.use_host_shared(memory[control_bytes:], memory[:control_bytes], pids, timeout)
-    logger.info("fsdp_ext: %s: unsharded parameters host-shared, %.1f MiB for %d ranks on %s",
-                label, (total - control_bytes) / 2**20, n, hosts[0])
+    group.use_host_shared(memory[control_bytes:], memory[:control_bytes], host_ranks, host_pids,
+                          column, timeout)
+    logger.info("fsdp_ext: %s: unsharded parameters host-shared, %.1f MiB for %d ranks on %s%s",
+                label, (total - control_bytes) / 2**20, len(host_ranks), where[rank][0],
+                "" if len(column) == 1 else
+                f"; shards of the other {len(column) - 1} host(s) from column ranks {column}")

@@ -340,9 +340,12 @@ class FSDPModule(UpstreamFSDPModule):
         Numbers are unchanged bit for bit.
 
         Call on every rank, before the first forward (the memory is mapped at
-        lazy init, once the parameter dtypes are final). Needs each shard
-        group on one host (HSDP with a shard group per host is fine) and
-        parameters sharded on dim 0. The memory stays mapped while the
+        lazy init, once the parameter dtypes are final). A shard group over
+        several hosts needs the same number of its ranks on each, and a
+        process group with a C++ backend: each host then holds its own copy,
+        and only the other hosts' shards cross the network, straight into it
+        (Note [host-shared parameters across hosts]). Parameters must be
+        sharded on dim 0. The memory stays mapped while the
         modules live: resharding frees nothing, since the host's copy is
         shared (one copy per host in all, instead of one per rank at peak).
         The ranks' ordering rules: Note [ordering of host-shared unsharded

@@ -23,7 +23,8 @@ would write its next shard under rank 1's read.
 Also: the /dev/shm file is gone once every rank has mapped it (the memory
 then lives exactly as long as its mappings); a rank that exits while another
 waits for it is an error naming it within seconds; parameters sharded on
-dim 1 and a call after the first forward are refused.
+dim 1 and a call after the first forward are refused; the host layout
+(each rank's host-mates and column) and its refusal of unequal hosts.
 """
 
 import os

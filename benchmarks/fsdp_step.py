@@ -49,8 +49,8 @@ upstream/gloo.
 
 --hosts 2 runs the ranks on two emulated hosts (test/multihost.py, root),
 so every collective crosses TCP, with the contenders that make sense across
-hosts (upstream/gloo, ours/gloo, upstream/fsdp_ext, ours/fsdp_ext) and no
-memory runs. It also measures the link in the same run (plain TCP both ways
+hosts (upstream/gloo, ours/gloo, upstream/fsdp_ext, ours/fsdp_ext,
+ours/fsdp_ext+per-param+host-shared) and no memory runs. It also measures the link in the same run (plain TCP both ways
 at once, best of 3 rounds, before and after) and reports the link's lower
 bound for the step: the bytes that must cross it in each direction (the
 other host's share of every all-gather and reduce-scatter) over what TCP
@@ -81,9 +81,11 @@ def _upstream_of(name):
     return "upstream/" + name.split("/")[1].replace("+per-param", "").replace("+host-shared", "")
 
 
-# Across hosts: host-shared parameters need a shard group on one host, and
-# group buffers need shared memory, which one rank per host does not have.
-CONTENDERS_ACROSS_HOSTS = ["upstream/gloo", "ours/gloo", "upstream/fsdp_ext", "ours/fsdp_ext"]
+# Across hosts: group buffers need shared memory, which one rank per host
+# does not have. Host-shared parameters work across hosts (a copy per host,
+# the other host's shards received straight into it).
+CONTENDERS_ACROSS_HOSTS = ["upstream/gloo", "ours/gloo", "upstream/fsdp_ext", "ours/fsdp_ext",
+                           "ours/fsdp_ext+per-param+host-shared"]
 
 CONFIGS = ("fp32", "bf16", "hsdp")
 

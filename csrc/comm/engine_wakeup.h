@@ -16,7 +16,9 @@
 // over TCP were seen to miss wake-ups too (UCX 1.13: small all-reduces after
 // an idle spell took up to the 100 ms cap). So while any request is pending,
 // the engine sleeps in short, growing slices (20 us .. 1 ms) as well as on
-// the fd; idle, it sleeps on the fd alone (see ProgressEngine::idle_wait).
+// the fd, or, during a stream whose events come at a known cadence, naps and
+// spins by it (progress_cadence.h); idle, it sleeps on the fd alone (see
+// ProgressEngine::idle_wait).
 #pragma once
 
 #include <chrono>

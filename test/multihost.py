@@ -49,6 +49,20 @@ def _netem_available():
         subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
 
 
+def _delete_namespace(ns, attempts=25):
+    """`ip netns delete`, retried: its file cannot be removed (EBUSY) while a
+    process killed a moment ago still holds a mount namespace that copied the
+    mount (the hosts run under `unshare --mount-proc`). A CI run once left a
+    pair behind with the single try."""
+    for _ in range(attempts):
+        done = subprocess.run(["ip", "netns", "delete", ns], capture_output=True, text=True)
+        if done.returncode == 0 or not os.path.exists(f"/run/netns/{ns}"):
+            return
+        time.sleep(0.2)
+    print(f"multihost: could not delete network namespace {ns}: {done.stderr.strip()}",
+          file=sys.stderr)
+
+
 @dataclass
 class HostResult:
     host: int
@@ -241,7 +255,7 @@ class TwoHosts:
     def close(self):
         self._kill_all()
         for ns in self.namespaces:
-            subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+            _delete_namespace(ns)
         # The veth pair goes with its namespaces; one still in the root
         # namespace (set-up failed half way) is removed here.
         subprocess.run(["ip", "link", "delete", self._veth[0]], capture_output=True)

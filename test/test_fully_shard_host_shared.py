@@ -20,18 +20,20 @@ whose shards change between forwards (no_grad), with rank 1 sleeping after
 its unshard and before it reads the parameters. Without the rule, rank 0
 would write its next shard under rank 1's read.
 
-Also: the /dev/shm file is gone once every rank has mapped it (the memory
-then lives exactly as long as its mappings); a rank that exits while another
+Also: the /dev/shm file is gone once every rank has mapped it, and the
+mapping once the trained model is deleted; a rank that exits while another
 waits for it is an error naming it within seconds; parameters sharded on
 dim 1 and a call after the first forward are refused; the host layout
 (each rank's host-mates and column) and its refusal of unequal hosts.
 """
 
+import gc
 import os
 import subprocess
 import sys
 import textwrap
 import time
+import weakref
 from collections import Counter
 from unittest import mock
 
@@ -196,32 +198,48 @@ def test_a_slower_rank_reads_the_values_of_its_own_unshard():
 # Lifetime, a dead rank, refusals
 
 
-def _lifetime(ctx):
-    def shm_files():
-        return sorted(f for f in os.listdir("/dev/shm") if f.startswith("torch_fsdp_ext-"))
+def _shm_files():
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("torch_fsdp_ext-"))
 
-    def mapped():
-        with open("/proc/self/maps") as f:
-            return sum("/torch_fsdp_ext-" in line for line in f)
 
+def _shm_mappings():
+    with open("/proc/self/maps") as f:
+        return sum("/torch_fsdp_ext-" in line for line in f)
+
+
+def _trained_host_shared_model():
     model = TinyLM(n_layers=2)
     api = fsdp_api("ours")
     for layer in model.layers:
         api.fully_shard(layer)
     api.fully_shard(model)
     model.set_host_shared_parameters()
-    tokens, targets = lm_batch(dist.get_rank(), 0)
-    lm_loss(model(tokens), targets).backward()
-    return shm_files(), mapped()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        tokens, targets = lm_batch(dist.get_rank(), step)
+        lm_loss(model(tokens), targets).backward()
+        optim.step()
+        optim.zero_grad()
+    return model
 
 
-def test_the_shm_file_is_gone_once_mapped():
-    # (Whether the mapping goes when the model is deleted is not checked: a
-    # model sharded by fully_shard, ours or upstream's, outlives `del` and
-    # gc.collect() after its first forward in torch 2.13; docs/design.md.)
-    for files, maps in get_pool(2).run(_lifetime):
+def _lifetime(ctx):
+    gc.collect()  # an earlier test's model in this pool worker, unreachable but not collected
+    before = _shm_mappings()
+    model = _trained_host_shared_model()
+    files, in_use = _shm_files(), _shm_mappings() - before
+    modules = [weakref.ref(m) for m in model.modules()]
+    del model
+    gc.collect()
+    return files, in_use, [m() is None for m in modules], _shm_mappings() - before
+
+
+def test_the_shm_file_is_gone_once_mapped_and_the_mapping_with_the_model():
+    for files, in_use, model_freed, left in get_pool(2).run(_lifetime):
         assert files == [], files  # unlinked once every rank mapped it
-        assert maps >= 3, maps  # one mapping per group (3), in use
+        assert in_use >= 3, in_use  # one mapping per group (3), in use
+        assert all(model_freed), model_freed  # del + gc.collect() frees every module
+        assert left == 0, left  # and with it the host's shared memory
 
 
 DEAD_RANK_SCRIPT = textwrap.dedent("""

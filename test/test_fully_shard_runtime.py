@@ -1,5 +1,6 @@
 """The runtime behaviours the seed scenarios leave implicit: unsharded memory
-is released on reshard (the storage, not the tensors autograd saved),
+is released on reshard (the storage, not the tensors autograd saved), a
+trained model is freed by `del`,
 gradient accumulation without sync, unshard_in_backward, meta-device init,
 ignored parameters, a dtype change after wrapping, recovery with
 reset_iter_state after an exception mid-forward, nested traces, and clear
@@ -78,6 +79,41 @@ def check_unsharded_storage_released(ctx):
 @pytest.mark.parametrize("ws", [1, 2])
 def test_unsharded_storage_released(ws):
     get_pool(ws).run(check_unsharded_storage_released)
+
+
+def _trained_stack(ctx, impl):
+    torch.manual_seed(0)
+    model = shard_stack(MLPStack(n=3, dim=16, hidden=32), fsdp_api(impl),
+                        reshard_after_forward=2 if ctx.world_size % 2 == 0 else True)
+    model[1].set_modules_to_forward_prefetch([model[2]])
+    model[2].set_modules_to_backward_prefetch([model[1]])
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        model(mlp_batch(ctx.rank, step, dim=16)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    return model
+
+
+def check_model_freed_by_del(ctx, impl):
+    import gc
+    import weakref
+
+    model = _trained_stack(ctx, impl)
+    modules = [weakref.ref(m) for m in model.modules()]
+    params = [weakref.ref(p) for p in model.parameters()]
+    del model
+    gc.collect()
+    return [m() is None for m in modules], [p() is None for p in params]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_trained_model_freed_by_del(impl):
+    # The C++ runtime holds its modules weakly (a strong edge from C++ back
+    # to a module that owns the runtime is a cycle gc cannot see).
+    for modules, params in get_pool(2).run(check_model_freed_by_del, impl):
+        assert all(modules), modules
+        assert all(params), params
 
 
 # --------------------------------------------------------------------------

@@ -88,7 +88,8 @@ void FsdpParam::register_on_modules(const py::object& param) {
         throw py::error_already_set();
       }
     } else {
-      py::setattr(slot.module, slot.name, param);
+      py::object module = slot.module();  // None once the module is gone
+      if (!module.is_none()) py::setattr(module, slot.name, param);
     }
   }
 }

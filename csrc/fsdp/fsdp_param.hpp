@@ -49,8 +49,14 @@ namespace py = pybind11;
 
 // One (module, attribute) the parameter is registered on; shared parameters
 // have several.
+//
+// The module is held weakly: the module owns (through its hooks) the FSDP
+// state that owns this parameter, and a strong edge back from C++ would be a
+// cycle Python's collector cannot see, so a sharded model would never be
+// freed. Its _parameters dict holds only parameters, so holding it strongly
+// closes no cycle.
 struct FSDP_EXT_HIDDEN ModuleSlot {
-  py::object module;
+  py::weakref module;
   py::object parameters;  // module._parameters
   py::str name;
   bool plain_dict_write;  // false where the module class overrides __setattr__

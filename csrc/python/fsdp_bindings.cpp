@@ -80,7 +80,7 @@ void bind_fsdp_runtime(py::module_& m) {
              for (const py::handle& slot : slots) {
                auto entry = slot.cast<py::tuple>();
                py::object module = entry[0];
-               module_slots.push_back({module, module.attr("_parameters"),
+               module_slots.push_back({py::weakref(module), module.attr("_parameters"),
                                        entry[1].cast<py::str>(), entry[2].cast<bool>()});
              }
              return std::make_shared<FsdpParam>(

@@ -20,6 +20,11 @@ whose shards change between forwards (no_grad), with rank 1 sleeping after
 its unshard and before it reads the parameters. Without the rule, rank 0
 would write its next shard under rank 1's read.
 
+Across hosts the backward reuses what the forward wrote and received (a
+flag per group crosses instead of the shards), unless a rank's shards
+changed in between, in which case that rank's new values reach every
+rank's backward (within one host too, where every unshard writes).
+
 Also: the /dev/shm file is gone once every rank has mapped it, and the
 mapping once the trained model is deleted; a rank that exits while another
 waits for it is an error naming it within seconds; parameters sharded on
@@ -61,6 +66,11 @@ CASES = {
     # to be on two hosts (two copies, the column exchange between them).
     "two_pretend_hosts_slow_rank_bf16": ((4,), {"mp": torch.bfloat16, "reshard_after_forward": 2},
                                          {"pretend_hosts": True, "slow": True, "prefetch": True}),
+    # layers.0's backward prefetches layers.1, which has finished its
+    # backward: an unshard nobody waits for, completed (its flags exchanged,
+    # the epoch published) when the backward ends.
+    "two_pretend_hosts_mistargeted_backward_prefetch": ((4,), {}, {"pretend_hosts": True,
+                                                                   "mistargeted": True}),
 }
 
 
@@ -102,6 +112,8 @@ def _train_on(ctx, impl, host_shared, case):
         layers = list(model.layers)
         layers[0].set_modules_to_forward_prefetch([layers[1]])
         layers[1].set_modules_to_backward_prefetch([layers[0]])
+    if extras.get("mistargeted"):
+        model.layers[0].set_modules_to_backward_prefetch([model.layers[1]])
     if extras.get("per_parameter") and impl == "ours":
         model.set_per_parameter_collectives(True)
     if host_shared:
@@ -157,6 +169,92 @@ def test_host_shared_changes_no_number(case):
         assert ("c10d::send" in counts and "c10d::recv_" in counts) == across, counts
         # The reference does gather (flat, or per parameter).
         assert any("allgather" in name for name in runs["ours"][rank]["counts"])
+
+
+# --------------------------------------------------------------------------
+# The backward reuses the forward's values (Note [the backward reuses the
+# forward's host-shared values])
+
+
+def _events(prof, prefix):
+    return Counter(e.name for e in prof.events() if e.name.startswith(prefix))
+
+
+def _backward_reuse(ctx, host_shared, pretend_hosts, change_on_rank):
+    """One step on 4 ranks (two pretend hosts of 2, or one host). Between
+    forward and backward, rank `change_on_rank` (None: no rank) halves its
+    shards of layers.0 in place. Returns the gradients, and what forward
+    and backward did: FSDP's copy-in ranges and the c10d sends."""
+    rank = dist.get_rank()
+    hostname = f"pretend-host-{rank // 2}" if pretend_hosts else "one-host"
+    with mock.patch("torch_fsdp_ext.fsdp._host_shared.socket.gethostname", return_value=hostname):
+        torch.manual_seed(0)
+        model = TinyLM(n_layers=2)
+        api = fsdp_api("ours")
+        for layer in model.layers:
+            api.fully_shard(layer)
+        api.fully_shard(model)
+        if host_shared:
+            model.set_host_shared_parameters()
+        tokens, targets = lm_batch(rank, 0)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as forward:
+            loss = lm_loss(model(tokens), targets)
+    if change_on_rank == rank:
+        with torch.no_grad():
+            for p in model.layers[0].parameters():
+                p.mul_(0.5)  # the sharded DTensors: their local data, version bumped
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as backward:
+        loss.backward()
+    params_per_group = {g.module_fqn: len(g.params) for m in model.modules()
+                        if isinstance(m, api.FSDPModule)
+                        for g in m._get_fsdp_state()._fsdp_param_groups}
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    return {"grads": grads, "params_per_group": params_per_group,
+            "copy_in": [_events(forward, "FSDP::all_gather_copy_in"),
+                        _events(backward, "FSDP::all_gather_copy_in")],
+            "sends": [_events(forward, "c10d::send")["c10d::send"],
+                      _events(backward, "c10d::send")["c10d::send"]]}
+
+
+def test_the_backward_reuses_the_forward_values_across_hosts():
+    pool = get_pool(4)
+    shared = pool.run(_backward_reuse, True, True, None)
+    reference = pool.run(_backward_reuse, False, True, None)
+    for rank in range(4):
+        assert _equal(shared[rank]["grads"], reference[rank]["grads"]), rank
+        forward_copies, backward_copies = shared[rank]["copy_in"]
+        # Both layers write their shards in forward, nothing in backward (the
+        # root keeps its parameters from forward to backward anyway).
+        assert sum(forward_copies[f"FSDP::all_gather_copy_in ({fqn})"]
+                   for fqn in ("layers.0", "layers.1")) == 2, forward_copies
+        assert not backward_copies, backward_copies
+        per_group = shared[rank]["params_per_group"]
+        # Forward: a message per parameter to the one column peer; backward:
+        # a flag per resharded group.
+        assert shared[rank]["sends"] == [sum(per_group.values()), 2], \
+            (shared[rank]["sends"], per_group)
+
+
+@pytest.mark.parametrize("pretend_hosts", [False, True], ids=["one_host", "two_pretend_hosts"])
+def test_shards_changed_between_forward_and_backward_on_one_rank(pretend_hosts):
+    # Rank 1's changed shards reach every rank's backward, as a re-gather
+    # would bring them. Across hosts only rank 1 writes again and its flag
+    # says its data follows; within one host every backward unshard writes.
+    pool = get_pool(4)
+    shared = pool.run(_backward_reuse, True, pretend_hosts, 1)
+    reference = pool.run(_backward_reuse, False, pretend_hosts, 1)
+    unchanged = pool.run(_backward_reuse, False, pretend_hosts, None)
+    for rank in range(4):
+        assert _equal(shared[rank]["grads"], reference[rank]["grads"]), rank
+        assert not _equal(reference[rank]["grads"], unchanged[rank]["grads"]), rank
+        writes = sum(shared[rank]["copy_in"][1].values())
+        if not pretend_hosts:
+            assert writes == 2, (rank, shared[rank]["copy_in"][1])
+            continue
+        assert writes == (1 if rank == 1 else 0), (rank, shared[rank]["copy_in"][1])
+        layer0 = shared[rank]["params_per_group"]["layers.0"]
+        assert shared[rank]["sends"][1] == 2 + (layer0 if rank == 1 else 0), \
+            (rank, shared[rank]["sends"])
 
 
 # --------------------------------------------------------------------------

@@ -50,6 +50,16 @@ void copy_cast_raw(void* destination, at::ScalarType dtype, const at::Tensor& so
   target.copy_(source.view({numel}));
 }
 
+bool equals_cast_raw(const void* destination, at::ScalarType dtype, const at::Tensor& source) {
+  const int64_t numel = source.numel();
+  if (numel == 0 || destination == source.data_ptr()) return true;
+  if (source.scalar_type() == dtype) {
+    return std::memcmp(destination, source.data_ptr(), source.nbytes()) == 0;
+  }
+  at::Tensor cast = source.view({numel}).to(dtype);
+  return std::memcmp(destination, cast.data_ptr(), cast.nbytes()) == 0;
+}
+
 int64_t padded_chunk_numel(at::IntArrayRef sizes, int64_t world_size, int64_t shard_dim) {
   TORCH_CHECK_VALUE(!sizes.empty(), "fsdp_ext: a 0-dim tensor has no dim 0 to shard");
   TORCH_CHECK_VALUE(shard_dim >= 0 && shard_dim < static_cast<int64_t>(sizes.size()),

@@ -66,5 +66,8 @@ int64_t padded_chunk_numel(at::IntArrayRef sizes, int64_t world_size, int64_t sh
 // counter of whatever tensor owns that memory is left alone (autograd's
 // saved views of an unsharded parameter must not see a new version).
 void copy_cast_raw(void* destination, at::ScalarType dtype, const at::Tensor& source);
+// Whether copy_cast_raw(destination, dtype, source) would leave every byte
+// at `destination` as it is.
+bool equals_cast_raw(const void* destination, at::ScalarType dtype, const at::Tensor& source);
 
 }  // namespace fsdp_ext::fsdp

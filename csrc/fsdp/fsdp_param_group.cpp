@@ -269,8 +269,15 @@ void FsdpParamGroup::use_host_shared(at::Tensor region, at::Tensor control,
 void FsdpParamGroup::unshard_host_shared(PendingAllGather& pending) {
   const int64_t rank = shard_group_.rank();
   ++host_shared_epoch_;
-  host_shared_->enter(host_shared_epoch_);
-  {
+  // Note [the backward reuses the forward's host-shared values]: across
+  // hosts, a backward unshard whose slots are current sends flags only.
+  const bool across_hosts = !host_shared_column_peers_.empty();
+  const bool in_backward = training_state_ == TrainingState::kPreBackward;
+  const bool unchanged = across_hosts && in_backward && host_shared_slots_current();
+  if (unchanged) {
+    host_shared_->enter_unchanged(host_shared_epoch_);
+  } else {
+    host_shared_->enter(host_shared_epoch_);
     ProfilerRange copy_in([&] { return profile_label("FSDP::all_gather_copy_in"); });
     for (const auto& param : params_) {
       const int64_t padded = param->padded_shard_numel();
@@ -281,23 +288,81 @@ void FsdpParamGroup::unshard_host_shared(PendingAllGather& pending) {
     }
   }
   pending.per_parameter = true;  // the parameters' memory is written: no copy-out
-  if (host_shared_column_peers_.empty()) {
+  if (!across_hosts) {
     host_shared_->publish(host_shared_epoch_);
     return;
   }
   // Note [host-shared parameters across hosts] (host_shared_parameters.hpp):
   // this rank's slots go to its column peers, theirs come straight into
   // this host's memory; published once they are in (wait_for_unshard).
+  pending.across_hosts = true;
+  if (!in_backward) {
+    for (int64_t peer : host_shared_column_peers_) {
+      receive_host_shared_slots(peer, pending.column_exchange);
+      send_host_shared_slots(peer, pending.column_exchange);
+    }
+    return;
+  }
+  // In backward, a flag per peer first; data only where it changed.
+  const auto peers = static_cast<int64_t>(host_shared_column_peers_.size());
+  pending.column_flags = at::empty({peers}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor flag = at::full({1}, unchanged ? 0 : 1, at::TensorOptions().dtype(at::kLong));
+  pending.inputs.push_back(flag);  // alive until the sends complete
+  for (int64_t i = 0; i < peers; ++i) {
+    const int64_t peer = host_shared_column_peers_[i];
+    at::Tensor theirs = pending.column_flags.narrow(0, i, 1);
+    pending.column_flag_receives.push_back(
+        shard_group_.recv(theirs, peer, HostSharedParameters::kColumnFlagTag));
+    pending.column_exchange.push_back(
+        shard_group_.send(flag, peer, HostSharedParameters::kColumnFlagTag));
+    if (!unchanged) send_host_shared_slots(peer, pending.column_exchange);
+  }
+}
+
+bool FsdpParamGroup::host_shared_slots_current() {
+  ProfilerRange range([&] { return profile_label("FSDP::host_shared_compare"); });
+  const int64_t rank = shard_group_.rank();
   for (const auto& param : params_) {
     const int64_t padded = param->padded_shard_numel();
-    const at::Tensor& output = param->allocated_all_gather_output();
-    at::Tensor mine = output.narrow(0, rank * padded, padded);
-    for (int64_t peer : host_shared_column_peers_) {
-      at::Tensor theirs = output.narrow(0, peer * padded, padded);
-      pending.column_exchange.push_back(shard_group_.recv(theirs, peer, HostSharedParameters::kColumnTag));
-      pending.column_exchange.push_back(shard_group_.send(mine, peer, HostSharedParameters::kColumnTag));
+    at::Tensor slot = param->allocated_all_gather_output().narrow(0, rank * padded, padded);
+    if (!equals_cast_raw(slot.data_ptr(), slot.scalar_type(), param->padded_sharded_data())) {
+      return false;
     }
   }
+  return true;
+}
+
+void FsdpParamGroup::send_host_shared_slots(int64_t peer, std::vector<WorkPtr>& works) {
+  const int64_t rank = shard_group_.rank();
+  for (const auto& param : params_) {
+    const int64_t padded = param->padded_shard_numel();
+    at::Tensor mine = param->allocated_all_gather_output().narrow(0, rank * padded, padded);
+    works.push_back(shard_group_.send(mine, peer, HostSharedParameters::kColumnTag));
+  }
+}
+
+void FsdpParamGroup::receive_host_shared_slots(int64_t peer, std::vector<WorkPtr>& works) {
+  for (const auto& param : params_) {
+    const int64_t padded = param->padded_shard_numel();
+    at::Tensor theirs = param->allocated_all_gather_output().narrow(0, peer * padded, padded);
+    works.push_back(shard_group_.recv(theirs, peer, HostSharedParameters::kColumnTag));
+  }
+}
+
+void FsdpParamGroup::finish_column_exchange(PendingAllGather& pending) {
+  for (const WorkPtr& work : pending.column_flag_receives) wait_releasing_gil(work);
+  if (pending.column_flags.defined()) {
+    const int64_t* flags = pending.column_flags.data_ptr<int64_t>();
+    for (size_t i = 0; i < host_shared_column_peers_.size(); ++i) {
+      if (flags[i] == 0) continue;
+      // This rank may have entered without waiting (its own slots were
+      // unchanged); the peer's slots it now receives are writes.
+      host_shared_->wait_until_all_entered(host_shared_epoch_);
+      receive_host_shared_slots(host_shared_column_peers_[i], pending.column_exchange);
+    }
+  }
+  for (const WorkPtr& work : pending.column_exchange) wait_releasing_gil(work);
+  host_shared_->publish(host_shared_epoch_);
 }
 
 void FsdpParamGroup::wait_for_unshard() {
@@ -317,10 +382,7 @@ void FsdpParamGroup::wait_for_unshard() {
     // The collective wrote the parameters' own storage: nothing to copy.
     ProfilerRange range([&] { return profile_label("FSDP::all_gather_wait"); });
     wait_releasing_gil(pending.work);
-    if (!pending.column_exchange.empty()) {
-      for (const WorkPtr& work : pending.column_exchange) wait_releasing_gil(work);
-      host_shared_->publish(host_shared_epoch_);
-    }
+    if (pending.across_hosts) finish_column_exchange(pending);
   } else {
     ProfilerRange range([&] { return profile_label("FSDP::all_gather_copy_out"); });
     wait_releasing_gil(pending.work);
@@ -629,6 +691,9 @@ void FsdpParamGroup::drop_pending_all_gather() {
   PendingAllGather pending = std::move(*pending_all_gather_);
   pending_all_gather_.reset();
   wait_releasing_gil(pending.work);
+  // Every rank drops the same prefetch: each completes its part of the
+  // epoch, so its messages cannot be taken for the next one's.
+  if (pending.across_hosts) finish_column_exchange(pending);
 }
 
 void FsdpParamGroup::finish_backward(bool is_last_backward) {

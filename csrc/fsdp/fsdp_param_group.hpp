@@ -201,9 +201,15 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
     bool per_parameter = false;
     std::vector<at::Tensor> inputs;
     // Host-shared across hosts: the column exchange's sends and receives,
-    // waited before this rank publishes the epoch.
+    // waited before this rank publishes the epoch; in backward also each
+    // column peer's flag (1: its data follows) and their receives (Note [the
+    // backward reuses the forward's host-shared values]).
+    bool across_hosts = false;
     std::vector<WorkPtr> column_exchange;
+    at::Tensor column_flags;  // int64, one per column peer
+    std::vector<WorkPtr> column_flag_receives;
   };
+
 
   // Whether this group's collectives on `group` go per parameter now
   // (GroupOptions::per_parameter_collectives and the conditions there).
@@ -213,6 +219,15 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   // Note [ordering of host-shared unsharded parameters]: enter, write this
   // rank's slots, publish.
   void unshard_host_shared(PendingAllGather& pending);
+  // Whether this rank's slots already hold its current shards, byte for byte.
+  bool host_shared_slots_current();
+  // Column exchange pieces: this rank's slots to `peer`, `peer`'s slots into
+  // this host's memory; one message per parameter, in parameter order.
+  void send_host_shared_slots(int64_t peer, std::vector<WorkPtr>& works);
+  void receive_host_shared_slots(int64_t peer, std::vector<WorkPtr>& works);
+  // Waits for the column exchange (and flagged data) of a host-shared
+  // unshard, then publishes the epoch.
+  void finish_column_exchange(PendingAllGather& pending);
 
   // "FSDP::<phase> (<module fqn>)<suffix>": upstream's profiler range name.
   std::string profile_label(const char* phase) const;

@@ -79,6 +79,10 @@ void HostSharedParameters::enter(uint64_t epoch) {
   wait_for_all(kEntered, epoch);
 }
 
+void HostSharedParameters::enter_unchanged(uint64_t epoch) {
+  atomic(word(rank_, kEntered)).store(epoch, std::memory_order_release);
+}
+
 void HostSharedParameters::publish(uint64_t epoch) {
   // Release: this rank's slot writes are visible to whoever sees the word.
   atomic(word(rank_, kPublished)).store(epoch, std::memory_order_release);

@@ -50,6 +50,28 @@
 // enter. The exchange is issued at unshard and waited at wait_for_unshard,
 // so a prefetched unshard overlaps the wire with compute, as an all-gather.
 //
+// Note [the backward reuses the forward's host-shared values]
+// Resharding a host-shared group frees nothing, so when its backward
+// unshards it again, the memory still holds what the forward's unshard
+// wrote and, across hosts, received. Re-sending it would cross the network
+// a second time for nothing. So a backward unshard across hosts first
+// compares this rank's slots with its current shards (cast as written),
+// byte for byte: any change, through the optimizer, load_state_dict,
+// `.data` or anything else, is seen. Unchanged, the rank writes nothing
+// and enters without waiting (enter_unchanged: leaving its slots as they
+// are cannot disturb a slower rank still reading them); changed, it enters
+// and writes as in step 2. It then sends each column peer a flag (tag
+// kColumnFlagTag): 1 when its slots changed, followed by their data. A
+// peer's data is received only when its flag says it follows, and only
+// once every rank of the host has entered (receiving writes this host's
+// memory). Then step 3: publish and wait for every rank's publish, since a
+// rank of the host may have written. So an unchanged backward moves a flag
+// per peer instead of the shards, and ranks that disagree (shards changed
+// on some ranks only) still exchange exactly what changed. Forward
+// unshards always write and send (their receives are posted at unshard, so
+// a prefetched unshard overlaps the wire with compute). Within one host
+// the comparison would cost what the write costs, so every unshard writes.
+//
 // A rank that exits while another waits for it is an error for the waiting
 // rank within milliseconds (its pidfd becomes readable); a rank that hangs
 // is an error after the group's timeout. Both name the rank and the phase.
@@ -75,6 +97,9 @@ class FSDP_EXT_HIDDEN HostSharedParameters {
   // The tag of the column exchange's messages (Note [host-shared parameters
   // across hosts]): apart from the tags users pick for their own.
   static constexpr int kColumnTag = 0x48535030;  // "HSP0"
+  // The backward's changed-or-not flags (Note [the backward reuses the
+  // forward's host-shared values]).
+  static constexpr int kColumnFlagTag = 0x48535031;  // "HSP1"
 
   // `control`: kControlBytesPerRank * pids.size() bytes of the memory every
   // rank of this host maps, zeroed before first use; `rank`: this rank's
@@ -86,6 +111,11 @@ class FSDP_EXT_HIDDEN HostSharedParameters {
                        std::string label);
 
   void enter(uint64_t epoch);    // steps 1 of the note
+  // Step 1 for a rank that will write nothing: entered, without waiting.
+  void enter_unchanged(uint64_t epoch);
+  // The wait of step 1, for such a rank that writes after all (it receives
+  // a changed column peer's slots into this host's memory).
+  void wait_until_all_entered(uint64_t epoch) { wait_for_all(kEntered, epoch); }
   void publish(uint64_t epoch);  // step 3
 
  private:

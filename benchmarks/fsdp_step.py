@@ -52,10 +52,13 @@ so every collective crosses TCP, with the contenders that make sense across
 hosts (upstream/gloo, ours/gloo, upstream/fsdp_ext, ours/fsdp_ext,
 ours/fsdp_ext+per-param+host-shared) and no memory runs. It also measures the link in the same run (plain TCP both ways
 at once, best of 3 rounds, before and after) and reports the link's lower
-bound for the step: the bytes that must cross it in each direction (the
-other host's share of every all-gather and reduce-scatter) over what TCP
-carried, or the local step if that is longer, since a step can overlap its
-communication with compute but not beat either.
+bound for the step: the bytes an FSDP step must move across it in each
+direction (the other host's share of every all-gather and reduce-scatter
+upstream/gloo issues) over what TCP carried, or the local step if that is
+longer, since a step can overlap its communication with compute but not
+beat either. Each contender's own bytes across the link are reported too:
+host-shared parameters send the other host only what changed, so their
+backward sends no parameters and can beat that bound.
 """
 
 import argparse
@@ -223,15 +226,16 @@ def _time_contenders(rank, world, gloo, args, contenders):
             times[name] = t.tolist()
         # One more, untimed step per contender, counting the bytes its
         # collectives move (bf16 halves them).
-        comm_mib = {}
+        comm_mib, crossing_mib = {}, {}
         for name in names:
             _, _, step = built[name]
             with _CollectiveBytes() as counted:
                 step(args.steps, rank)
             comm_mib[name] = counted.bytes / 2**20
+            crossing_mib[name] = counted.crossing_bytes / 2**20
         results[f"{model_name} {config}"] = {
             "model": model_name, "config": config, "times": times, "losses": losses,
-            "comm_mib": comm_mib,
+            "comm_mib": comm_mib, "crossing_mib": crossing_mib,
             "groups": {name: built[name][1] for name in names},
             "params": sum(p.numel() for p in built["local"][0].parameters()),
         }
@@ -240,9 +244,13 @@ def _time_contenders(rank, world, gloo, args, contenders):
 
 
 class _CollectiveBytes:
-    """Sums, over the c10d collectives dispatched inside the block, the bytes
-    of each one's largest tensor (the gathered output, the reduce-scatter
-    input, the all-reduced buffer): what one rank's collectives carry."""
+    """Sums, over the c10d ops dispatched inside the block, the bytes of each
+    one's largest tensor (the gathered output, the reduce-scatter input, the
+    all-reduced buffer, a point-to-point message): what one rank's
+    collectives carry. And what crosses the link per direction between two
+    hosts: the other host's half of each collective's tensor, every message
+    a rank sends (host-shared parameters' column exchange), nothing for
+    what it receives (the sender counts it)."""
 
     def __enter__(self):
         import torch
@@ -251,6 +259,7 @@ class _CollectiveBytes:
 
         counter = self
         counter.bytes = 0
+        counter.crossing_bytes = 0
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -259,7 +268,13 @@ class _CollectiveBytes:
                     sizes = [sum(t.numel() * t.element_size() for t in tree_leaves(arg)
                                  if isinstance(t, torch.Tensor))
                              for arg in list(args) + list((kwargs or {}).values())]
-                    counter.bytes += max(sizes, default=0)
+                    size = max(sizes, default=0)
+                    counter.bytes += size
+                    op = func.__name__.split(".")[0]
+                    if op.startswith("send"):
+                        counter.crossing_bytes += size
+                    elif not op.startswith("recv"):
+                        counter.crossing_bytes += size / 2
                 return func(*args, **(kwargs or {}))
 
         self._mode = Mode()
@@ -374,28 +389,34 @@ def markdown_tables(run):
 
 
 def link_bound_table(results, link, rate_mbit):
-    """Each contender's step against the link's lower bound for it (--hosts 2)."""
+    """Each contender's step against the link's lower bound for the step
+    (--hosts 2): the bytes an FSDP step must move across the link (as
+    upstream's over gloo moves them) at what TCP carried, or the local step
+    if longer. A contender that moves fewer bytes (host-shared parameters
+    send nothing twice) can beat it."""
     from _tcp_link import best
 
     both_ways = best(link, both_ways=True)
     out = [f"\nThe link ({'shaped to ' + str(rate_mbit) + ' Mbit/s' if rate_mbit else 'unshaped'})"
            f": plain TCP carried {both_ways:.2f} GB/s per direction with both directions busy "
            f"(best of the rounds before and after).\n",
-           "| model | contender | step ms | MiB each rank's collectives carry | MiB across the "
-           "link per direction | link time ms | local step ms | bound ms | step / bound |",
+           "| model | contender | step ms | MiB each rank's collectives carry | MiB it sends "
+           "across the link | its link time ms | local step ms | the step's bound ms | "
+           "step / bound |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def link_ms(mib):
+        return mib * 2**20 / (both_ways * 1e9) * 1e3
+
     for key, result in results.items():
         med = result["median_seconds"]
+        bound = max(link_ms(result["crossing_mib"]["upstream/gloo"]), med["local"] * 1e3)
         for name in med:
             if name == "local":
                 continue
-            # All-gathers and reduce-scatters: the other host's half of each
-            # full tensor crosses the link each way (two hosts).
-            crossing = result["comm_mib"][name] / 2
-            link_ms = crossing * 2**20 / (both_ways * 1e9) * 1e3
-            bound = max(link_ms, med["local"] * 1e3)
+            crossing = result["crossing_mib"][name]
             out.append(f"| {key} | {name} | {med[name] * 1e3:.1f} | {result['comm_mib'][name]:.1f} "
-                       f"| {crossing:.1f} | {link_ms:.1f} | {med['local'] * 1e3:.1f} | "
+                       f"| {crossing:.1f} | {link_ms(crossing):.1f} | {med['local'] * 1e3:.1f} | "
                        f"{bound:.1f} | {med[name] * 1e3 / bound:.2f}x |")
     return "\n".join(out)
 

@@ -10,9 +10,10 @@ host-shared together with per-parameter reduce-scatters; and explicit
 forward and backward prefetching with rank 1 made slow on purpose (sleeps
 inside every block's forward and backward and before its optimizer step).
 reshard_after_forward True is the default of the other cases. And ranks 0, 1
-and 2, 3 pretending to be two hosts (bf16, reshard 2, the slow rank 1): two
-copies, each host's shards sent to the other's. Every group must be
-host-shared and no all-gather may run.
+and 2, 3 pretending to be two hosts (bf16, reshard 2, the slow rank 1;
+checkpointing with a no-sync micro-batch; a backward prefetch nobody waits
+for): two copies, each host's shards sent to the other's. Every group must
+be host-shared and no all-gather may run.
 
 The ordering rule that protects a slower rank (Note [ordering of host-shared
 unsharded parameters]) is checked where it matters: a single-group model
@@ -66,6 +67,10 @@ CASES = {
     # to be on two hosts (two copies, the column exchange between them).
     "two_pretend_hosts_slow_rank_bf16": ((4,), {"mp": torch.bfloat16, "reshard_after_forward": 2},
                                          {"pretend_hosts": True, "slow": True, "prefetch": True}),
+    # Recomputation and a no-sync micro-batch across hosts: backward
+    # unshards (flags only) inside checkpointed blocks.
+    "two_pretend_hosts_checkpoint_accumulate": ((4,), {}, {"pretend_hosts": True, "ac": True,
+                                                           "accumulate": True}),
     # layers.0's backward prefetches layers.1, which has finished its
     # backward: an unshard nobody waits for, completed (its flags exchanged,
     # the epoch published) when the backward ends.

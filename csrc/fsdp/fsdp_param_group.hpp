@@ -210,7 +210,6 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
     std::vector<WorkPtr> column_flag_receives;
   };
 
-
   // Whether this group's collectives on `group` go per parameter now
   // (GroupOptions::per_parameter_collectives and the conditions there).
   bool per_parameter_on(const CollectiveGroup& group, CollectiveGroup::Purpose purpose,

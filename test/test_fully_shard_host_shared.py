@@ -207,7 +207,7 @@ def _backward_reuse(ctx, host_shared, pretend_hosts, change_on_rank):
     if change_on_rank == rank:
         with torch.no_grad():
             for p in model.layers[0].parameters():
-                p.mul_(0.5)  # the sharded DTensors: their local data, version bumped
+                p.mul_(0.5)  # the sharded DTensors, in place (seen by the byte comparison)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as backward:
         loss.backward()
     params_per_group = {g.module_fqn: len(g.params) for m in model.modules()

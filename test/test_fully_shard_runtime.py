@@ -83,8 +83,7 @@ def test_unsharded_storage_released(ws):
 
 def _trained_stack(ctx, impl):
     torch.manual_seed(0)
-    model = shard_stack(MLPStack(n=3, dim=16, hidden=32), fsdp_api(impl),
-                        reshard_after_forward=2 if ctx.world_size % 2 == 0 else True)
+    model = shard_stack(MLPStack(n=3, dim=16, hidden=32), fsdp_api(impl), reshard_after_forward=2)
     model[1].set_modules_to_forward_prefetch([model[2]])
     model[2].set_modules_to_backward_prefetch([model[1]])
     optim = torch.optim.SGD(model.parameters(), lr=0.1)

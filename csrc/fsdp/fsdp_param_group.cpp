@@ -209,6 +209,11 @@ int64_t host_shared_param_bytes(const FsdpParam& param) {
 int64_t host_shared_param_room(const FsdpParam& param) {
   return (host_shared_param_bytes(param) + 63) / 64 * 64;
 }
+// Shard-group rank `rank`'s slot of the parameter in this host's memory.
+at::Tensor host_shared_slot(FsdpParam& param, int64_t rank) {
+  const int64_t padded = param.padded_shard_numel();
+  return param.allocated_all_gather_output().narrow(0, rank * padded, padded);
+}
 
 }  // namespace
 
@@ -280,9 +285,7 @@ void FsdpParamGroup::unshard_host_shared(PendingAllGather& pending) {
     host_shared_->enter(host_shared_epoch_);
     ProfilerRange copy_in([&] { return profile_label("FSDP::all_gather_copy_in"); });
     for (const auto& param : params_) {
-      const int64_t padded = param->padded_shard_numel();
-      const at::Tensor& output = param->allocated_all_gather_output();
-      at::Tensor slot = output.narrow(0, rank * padded, padded);
+      at::Tensor slot = host_shared_slot(*param, rank);
       // Raw: no version-counter bump on the parameters autograd saved.
       copy_cast_raw(slot.data_ptr(), slot.scalar_type(), param->padded_sharded_data());
     }
@@ -323,8 +326,7 @@ bool FsdpParamGroup::host_shared_slots_current() {
   ProfilerRange range([&] { return profile_label("FSDP::host_shared_compare"); });
   const int64_t rank = shard_group_.rank();
   for (const auto& param : params_) {
-    const int64_t padded = param->padded_shard_numel();
-    at::Tensor slot = param->allocated_all_gather_output().narrow(0, rank * padded, padded);
+    at::Tensor slot = host_shared_slot(*param, rank);
     if (!equals_cast_raw(slot.data_ptr(), slot.scalar_type(), param->padded_sharded_data())) {
       return false;
     }
@@ -335,16 +337,14 @@ bool FsdpParamGroup::host_shared_slots_current() {
 void FsdpParamGroup::send_host_shared_slots(int64_t peer, std::vector<WorkPtr>& works) {
   const int64_t rank = shard_group_.rank();
   for (const auto& param : params_) {
-    const int64_t padded = param->padded_shard_numel();
-    at::Tensor mine = param->allocated_all_gather_output().narrow(0, rank * padded, padded);
+    at::Tensor mine = host_shared_slot(*param, rank);
     works.push_back(shard_group_.send(mine, peer, HostSharedParameters::kColumnTag));
   }
 }
 
 void FsdpParamGroup::receive_host_shared_slots(int64_t peer, std::vector<WorkPtr>& works) {
   for (const auto& param : params_) {
-    const int64_t padded = param->padded_shard_numel();
-    at::Tensor theirs = param->allocated_all_gather_output().narrow(0, peer * padded, padded);
+    at::Tensor theirs = host_shared_slot(*param, peer);
     works.push_back(shard_group_.recv(theirs, peer, HostSharedParameters::kColumnTag));
   }
 }

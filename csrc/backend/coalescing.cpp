@@ -35,7 +35,8 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::endCoalescing() {
   const bool any_collective = std::any_of(members.begin(), members.end(),
                                           [](const CoalescedOp& m) { return m.collective; });
   auto work = c10::make_intrusive<FsdpExtWork>(rank_, c10d::OpType::COALESCED,
-                                               "fsdp_ext:coalesced", tensors);
+                                               "fsdp_ext:coalesced", tensors,
+                                               wait_spin_for_tensors(tensors));
   auto shared_members = std::make_shared<std::vector<CoalescedOp>>(std::move(members));
   comm::EngineOp op;
   op.name = "coalesced";

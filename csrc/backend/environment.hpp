@@ -4,7 +4,8 @@
 // that silently does nothing. The table in README.md lists them.
 //
 //   FSDP_EXT_SPIN_US            progress-thread spin before sleeping (µs, default 100)
-//   FSDP_EXT_WAIT_SPIN_US       Work.wait() polling before sleeping (µs, default 1000)
+//   FSDP_EXT_WAIT_SPIN_US       Work.wait() polling before sleeping (µs, default 1000;
+//                               see Note [how long a wait polls])
 //   FSDP_EXT_SHARED_MEMORY      0: UCX messages only, no allocation from the group
 //   FSDP_EXT_PROCESS_READS      0: never process_vm_readv a peer; stage instead
 //   FSDP_EXT_SMALL_OPS          0: small collectives go through the engine and UCX

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <unordered_set>
 
 #include "backend/environment.hpp"
 #include "backend/peer_identity.hpp"
@@ -107,12 +108,24 @@ std::chrono::milliseconds FsdpExtBackend::resolve_timeout(
   return requested == c10d::kUnsetTimeout ? default_timeout_ : requested;
 }
 
+std::chrono::microseconds FsdpExtBackend::wait_spin_for_tensors(
+    const std::vector<at::Tensor>& tensors) const {
+  // Distinct buffers only: an in-place op lists its tensor as input and output.
+  std::unordered_set<const void*> seen;
+  size_t bytes = 0;
+  for (const at::Tensor& tensor : tensors) {
+    if (tensor.defined() && seen.insert(tensor.data_ptr()).second) bytes += tensor.nbytes();
+  }
+  return wait_spin_for(bytes, engine_->config().topology.hosts.size() > 1);
+}
+
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::enqueue(
     const OpLabel& label, c10d::OpType type, const char* profiling_title, bool collective,
     std::chrono::milliseconds timeout, std::vector<at::Tensor> outputs,
     std::vector<at::Tensor> keep_alive, Body body, std::shared_ptr<const BucketMembers> bucket) {
-  auto work = c10::make_intrusive<FsdpExtWork>(rank_, type, profiling_title, outputs);
   keep_alive.insert(keep_alive.end(), outputs.begin(), outputs.end());
+  auto work = c10::make_intrusive<FsdpExtWork>(rank_, type, profiling_title, outputs,
+                                               wait_spin_for_tensors(keep_alive));
   {
     std::lock_guard<std::mutex> lock(coalescing_mutex_);
     if (coalescing_on_this_thread()) {

@@ -135,6 +135,9 @@ class FsdpExtBackend : public c10d::Backend {
 
   OpLabel label(const char* op) const;
   std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds requested) const;
+  // How long wait() on an op over these tensors polls (Note [how long a wait
+  // polls]): by their bytes, and whether this group spans hosts.
+  std::chrono::microseconds wait_spin_for_tensors(const std::vector<at::Tensor>& tensors) const;
   // Queues one op (or adds it to the open coalescing batch) and returns its Work.
   c10::intrusive_ptr<c10d::Work> enqueue(const OpLabel& label, c10d::OpType type,
                                          const char* profiling_title, bool collective,

@@ -9,16 +9,14 @@
 #include "backend/environment.hpp"
 
 namespace fsdp_ext::backend {
-namespace {
-// Most ops finish within tens to hundreds of microseconds; polling (and
-// yielding the core to the progress thread) that long before sleeping on the
-// condition variable saves a futex wake-up per op, which costs tens of
-// microseconds on virtual machines. FSDP_EXT_WAIT_SPIN_US overrides it.
-std::chrono::microseconds wait_spin() {
-  static const std::chrono::microseconds spin = wait_spin_from_environment();
-  return spin;
+std::chrono::microseconds wait_spin_for(size_t op_bytes, bool crosses_hosts) {
+  // See Note [how long a wait polls].
+  static const std::chrono::microseconds configured = wait_spin_from_environment();
+  if (crosses_hosts && op_bytes >= kNoWaitSpinAcrossHostsBytes) {
+    return std::chrono::microseconds(0);
+  }
+  return configured;
 }
-}  // namespace
 
 std::exception_ptr make_backend_error(const std::string& message) {
   try {
@@ -29,14 +27,15 @@ std::exception_ptr make_backend_error(const std::string& message) {
 }
 
 FsdpExtWork::FsdpExtWork(int rank, c10d::OpType type, const char* profiling_title,
-                         std::vector<at::Tensor> outputs)
+                         std::vector<at::Tensor> outputs, std::chrono::microseconds wait_spin)
     : c10d::Work(rank, type, profiling_title),
       outputs_(std::move(outputs)),
+      wait_spin_(wait_spin),
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()))) {}
 
 bool FsdpExtWork::wait(std::chrono::milliseconds timeout) {
-  const auto spin_until = std::chrono::steady_clock::now() + wait_spin();
+  const auto spin_until = std::chrono::steady_clock::now() + wait_spin_;
   while (!done_.load(std::memory_order_acquire) &&
          std::chrono::steady_clock::now() < spin_until) {
     sched_yield();

@@ -50,7 +50,9 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::run_small(
   // The engine's bodies share the channel; the caller's own path uses it
   // directly.
   comm::SmallOpChannel& channel = *small_ops_;
-  auto work = c10::make_intrusive<FsdpExtWork>(rank_, type, profiling_title, outputs);
+  // Small ops stay within a host: the usual poll (Note [how long a wait polls]).
+  auto work = c10::make_intrusive<FsdpExtWork>(rank_, type, profiling_title, outputs,
+                                               wait_spin_for(0, /*crosses_hosts=*/false));
   // What the engine runs: the whole op when it is busy, or the rest of it.
   auto engine_op = [&](std::function<void(comm::OpContext&)> body) {
     comm::EngineOp op;

@@ -119,6 +119,11 @@ const HostTopology* OpContext::hierarchy() const {
   return !members_ && topology.hierarchical() ? &topology : nullptr;
 }
 
+const HostTopology* OpContext::host_layout() const {
+  const HostTopology& topology = engine_.config().topology;
+  return !members_ && topology.hosts.size() > 1 ? &topology : nullptr;
+}
+
 OpContext OpContext::sub_group(std::vector<int> members, SharedMemoryDomain* shared_memory) {
   OpContext phase(engine_, transport_, scratch_, description_, engine_.reserve_seqs(kSeqsPerPhase),
                   deadline_, timeout_);

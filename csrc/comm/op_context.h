@@ -94,6 +94,9 @@ class OpContext {
   // (at least two) on each: collectives then run hierarchically. Null for
   // other groups and inside a phase.
   const HostTopology* hierarchy() const;
+  // The hosts of any group that spans several (equal or not). Null for a
+  // group on one host and inside a phase.
+  const HostTopology* host_layout() const;
 
   // The UCX transports the endpoint to `peer` uses (Transport::transports_to).
   std::vector<std::string> transports_to(int peer) const {

@@ -85,6 +85,7 @@ struct EngineActivity {
 // global ranks on host h in ascending order. Collectives go hierarchical
 // (algorithms/hierarchical.cpp) when every host has the same number of
 // ranks, at least two: shared memory within a host, the network between.
+// Broadcast also goes through one leader per host when the numbers differ.
 struct HostTopology {
   std::vector<std::vector<int>> hosts;
   int host = 0;   // this rank's host

@@ -688,6 +688,54 @@ INSTANTIATE_TEST_SUITE_P(PretendHosts, PipelinedPhases,
                                   std::to_string(info.param.second) + "hosts";
                          });
 
+// Hosts with different numbers of ranks (3 + 1 and 1 + 3). A broadcast whose
+// other hosts hold several ranks goes through one
+// leader per host (two phases, each reserving a block of sequence numbers);
+// one whose other hosts hold a rank each stays flat (one sequence number),
+// which sends the same bytes across hosts. The other collectives stay flat.
+TEST(UnequalHosts, BroadcastGoesThroughALeaderPerHost) {
+  for (const std::vector<int>& sizes : {std::vector<int>{3, 1}, std::vector<int>{1, 3}}) {
+    LoopbackOptions options;
+    options.host_sizes = sizes;
+    options.name = "unequal hosts";
+    LoopbackGroup group(4, options);
+    const int n = group.size();
+    std::vector<int> host_of;
+    for (size_t h = 0; h < sizes.size(); ++h) host_of.insert(host_of.end(), sizes[h], h);
+    for (size_t bytes : {size_t{0}, size_t{1}, size_t{3}, size_t{8191}, (size_t{2} << 20) + 5}) {
+      for (int root = 0; root < n; ++root) {
+        bool through_leaders = false;
+        for (size_t h = 0; h < sizes.size(); ++h) {
+          if (static_cast<int>(h) != host_of[root] && sizes[h] > 1) through_leaders = true;
+        }
+        std::vector<std::vector<uint8_t>> data(n);
+        for (int r = 0; r < n; ++r) {
+          data[r].resize(bytes);
+          for (size_t i = 0; i < bytes; ++i) data[r][i] = byte_value(r, i);
+        }
+        const uint64_t before = group.engine(0).sequences_used();
+        group.run_ok("broadcast", [&](int r, OpContext& context) {
+          broadcast(context, MutableSpan{data[r].data(), bytes}, root);
+        });
+        const uint64_t used = group.engine(0).sequences_used() - before;
+        if (through_leaders) {
+          EXPECT_GE(used, 2 * kSeqsPerPhase) << "root " << root << ": two phases expected";
+        } else {
+          EXPECT_EQ(used, 1u) << "root " << root << ": flat expected";
+        }
+        for (int r = 0; r < n; ++r) {
+          EXPECT_EQ(first_mismatch(data[r].data(), bytes,
+                                   [&](size_t i) { return byte_value(root, i); }),
+                    -1)
+              << "hosts " << sizes[0] << "+" << sizes[1] << ", rank " << r << ", root " << root
+              << ", " << bytes << " bytes";
+        }
+      }
+    }
+    expect_allgather(group, 8191);
+  }
+}
+
 std::vector<Case> flat_cases() {
   std::vector<Case> cases;
   for (const char* algorithm : {"auto", "direct", "ring", "shm"}) {

@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <future>
@@ -32,6 +33,9 @@ struct LoopbackOptions {
   bool shared_memory = true;  // enable each rank's domain (as the init agreement would)
   bool process_reads = true;  // and process_vm_readv of ordinary memory
   int hosts = 1;              // pretend hosts, ranks split evenly in rank order
+  // Instead: pretend hosts of these sizes, in rank order (unequal hosts get
+  // no shared memory, as the init agreement decides for real groups).
+  std::vector<int> host_sizes;
   std::string name = "loopback";
 };
 
@@ -55,26 +59,39 @@ class LoopbackGroup {
     }
     for (auto& transport : transports) transport->connect(addresses);
 
+    std::vector<int> host_sizes = options.host_sizes;
+    if (host_sizes.empty()) host_sizes.assign(options.hosts, size / options.hosts);
     HostTopology topology;
-    const int per_host = size / options.hosts;
-    for (int host = 0; host < options.hosts; ++host) {
+    std::vector<int> host_of, local_of;
+    for (int host = 0, rank = 0; host < static_cast<int>(host_sizes.size()); ++host) {
       topology.hosts.emplace_back();
-      for (int local = 0; local < per_host; ++local) {
-        topology.hosts.back().push_back(host * per_host + local);
+      for (int local = 0; local < host_sizes[host]; ++local, ++rank) {
+        topology.hosts.back().push_back(rank);
+        host_of.push_back(host);
+        local_of.push_back(local);
       }
     }
+    if (static_cast<int>(host_of.size()) != size) {
+      ADD_FAILURE() << "pretend host sizes add up to " << host_of.size() << ", not the group's "
+                    << size << " ranks";
+      std::abort();
+    }
+    const bool equal_hosts =
+        std::all_of(host_sizes.begin(), host_sizes.end(),
+                    [&](int ranks) { return ranks == host_sizes.front(); });
     for (int rank = 0; rank < size; ++rank) {
       EngineConfig config;
       config.rank = rank;
       config.size = size;
       config.group_name = options.name;
       config.topology = topology;
-      config.topology.host = rank / per_host;
-      config.topology.local = rank % per_host;
-      if (options.shared_memory) {
+      config.topology.host = host_of[rank];
+      config.topology.local = local_of[rank];
+      if (options.shared_memory && equal_hosts) {
         // Every rank of a pretend host is this process: the domain names its
         // peers by their position on the host.
-        domains_[rank]->enable(std::vector<pid_t>(per_host, getpid()), options.process_reads);
+        domains_[rank]->enable(std::vector<pid_t>(host_sizes[host_of[rank]], getpid()),
+                               options.process_reads);
         config.shared_memory = domains_[rank];
       }
       engines_.push_back(std::make_unique<ProgressEngine>(std::move(config),

@@ -13,6 +13,9 @@
 //   broadcast      : the root's column first, then each host from its rank at
 //                    the root's position.
 //
+// Hosts with different numbers of ranks go flat, except broadcast, which
+// goes through one leader per host (broadcast_through_leaders).
+//
 // Each phase is an OpContext::sub_group with sequence numbers of its own and
 // runs the usual algorithm choice for its size (shared memory for the local
 // phases when the group enabled it).
@@ -467,9 +470,46 @@ bool hierarchical_allreduce(OpContext& context, const std::vector<AllreduceMembe
   return true;
 }
 
+// Hosts with different numbers of ranks (3 + 1) have no columns: the root
+// sends the buffer once to a leader on every other host (its rank at the
+// root's position, or its first), which broadcasts it within its host. A
+// flat broadcast would send a copy across the link for every rank of the
+// other hosts. The init agreement gives such groups no shared memory, so the
+// host's phase runs over UCX's own shared-memory transports.
+bool broadcast_through_leaders(OpContext& context, const HostTopology& topology,
+                               MutableSpan data, int root) {
+  int root_host = -1, root_local = 0;
+  bool gains = false;  // some host besides the root's has several ranks
+  for (size_t h = 0; h < topology.hosts.size(); ++h) {
+    const std::vector<int>& ranks = topology.hosts[h];
+    for (size_t l = 0; l < ranks.size(); ++l) {
+      if (ranks[l] == root) root_host = static_cast<int>(h), root_local = static_cast<int>(l);
+    }
+  }
+  std::vector<int> leaders;      // one per host, host order
+  std::vector<int> leader_local; // its position on its host
+  for (size_t h = 0; h < topology.hosts.size(); ++h) {
+    const int size = static_cast<int>(topology.hosts[h].size());
+    const int local = root_local < size ? root_local : 0;
+    if (static_cast<int>(h) != root_host && size > 1) gains = true;
+    leaders.push_back(topology.hosts[h][local]);
+    leader_local.push_back(local);
+  }
+  if (!gains || root_host < 0) return false;
+  // Every rank reserves both phases' sequence numbers, taking part or not.
+  OpContext column = context.sub_group(leaders, nullptr);
+  if (topology.local == leader_local[topology.host]) broadcast(column, data, root_host);
+  OpContext local = context.sub_group(topology.hosts[topology.host], nullptr);
+  broadcast(local, data, leader_local[topology.host]);
+  return true;
+}
+
 bool hierarchical_broadcast(OpContext& context, MutableSpan data, int root) {
   const HostTopology* topology = context.hierarchy();
-  if (topology == nullptr) return false;
+  if (topology == nullptr) {
+    const HostTopology* unequal = context.host_layout();
+    return unequal != nullptr && broadcast_through_leaders(context, *unequal, data, root);
+  }
   int root_host = 0, root_local = 0;
   for (size_t h = 0; h < topology->hosts.size(); ++h) {
     for (size_t l = 0; l < topology->hosts[h].size(); ++l) {

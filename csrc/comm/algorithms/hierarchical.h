@@ -1,8 +1,8 @@
 // Host-aware versions of the bandwidth-heavy collectives, for groups that
 // span hosts (see hierarchical.cpp). Each returns false, doing nothing, when
-// the group is not laid out for it (one host, uneven hosts, one rank per
-// host, inside a phase, uneven all-gather pieces); the caller then runs its
-// flat algorithm.
+// the group is not laid out for it (one host, one rank per host, inside a
+// phase, uneven all-gather pieces; hosts with different numbers of ranks,
+// except for broadcast); the caller then runs its flat algorithm.
 #pragma once
 
 #include "comm/algorithms/algorithms.h"

@@ -701,12 +701,14 @@ TEST(UnequalHosts, BroadcastGoesThroughALeaderPerHost) {
     LoopbackGroup group(4, options);
     const int n = group.size();
     std::vector<int> host_of;
-    for (size_t h = 0; h < sizes.size(); ++h) host_of.insert(host_of.end(), sizes[h], h);
+    for (int h = 0; h < static_cast<int>(sizes.size()); ++h) {
+      host_of.insert(host_of.end(), sizes[h], h);
+    }
     for (size_t bytes : {size_t{0}, size_t{1}, size_t{3}, size_t{8191}, (size_t{2} << 20) + 5}) {
       for (int root = 0; root < n; ++root) {
         bool through_leaders = false;
-        for (size_t h = 0; h < sizes.size(); ++h) {
-          if (static_cast<int>(h) != host_of[root] && sizes[h] > 1) through_leaders = true;
+        for (int h = 0; h < static_cast<int>(sizes.size()); ++h) {
+          if (h != host_of[root] && sizes[h] > 1) through_leaders = true;
         }
         std::vector<std::vector<uint8_t>> data(n);
         for (int r = 0; r < n; ++r) {

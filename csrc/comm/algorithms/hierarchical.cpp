@@ -483,7 +483,9 @@ bool broadcast_through_leaders(OpContext& context, const HostTopology& topology,
   for (size_t h = 0; h < topology.hosts.size(); ++h) {
     const std::vector<int>& ranks = topology.hosts[h];
     for (size_t l = 0; l < ranks.size(); ++l) {
-      if (ranks[l] == root) root_host = static_cast<int>(h), root_local = static_cast<int>(l);
+      if (ranks[l] != root) continue;
+      root_host = static_cast<int>(h);
+      root_local = static_cast<int>(l);
     }
   }
   std::vector<int> leaders;      // one per host, host order

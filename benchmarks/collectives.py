@@ -297,7 +297,8 @@ def summarize(entry, memcpy, limits=None):
         # small-op channel (coalesced ones stay one fused bucket).
         "algorithm": _C._selected_algorithm(
             base_op, nbytes, n, entry["shared_memory"],
-            small_op_channel=limits is not None and not op.endswith("_coalesced")),
+            small_op_channel=limits is not None and not op.endswith("_coalesced"),
+            spans_hosts="link_GBps" in entry),
         "memcpy_GBps": reference,
         "fsdp_ext_worst_over_median": max(entry["seconds"]["fsdp_ext"]) / med["fsdp_ext"],
     }

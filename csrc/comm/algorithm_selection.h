@@ -44,8 +44,10 @@ bool small_op_channel_allowed(const char* variable);
 
 // `bytes`: the whole bucket (all-gather outputs / reduce-scatter inputs /
 // all-reduce buffers). `shared_memory`: the group has it enabled.
+// `spans_hosts`: the group's ranks are on more than one host.
 Algorithm select_allgather(size_t bytes, int group_size, bool shared_memory);
-Algorithm select_reduce_scatter(size_t bytes, int group_size, bool shared_memory);
+Algorithm select_reduce_scatter(size_t bytes, int group_size, bool shared_memory,
+                                bool spans_hosts = false);
 Algorithm select_allreduce(size_t bytes, int group_size, bool shared_memory);
 Algorithm select_broadcast(size_t bytes, int group_size, bool shared_memory);
 

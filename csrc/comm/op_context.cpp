@@ -1,5 +1,7 @@
 #include "comm/op_context.h"
 
+#include <algorithm>
+
 #include "comm/error.h"
 #include "comm/progress_engine.h"
 #include "comm/scratch_arena.h"
@@ -122,6 +124,22 @@ const HostTopology* OpContext::hierarchy() const {
 const HostTopology* OpContext::host_layout() const {
   const HostTopology& topology = engine_.config().topology;
   return !members_ && topology.hosts.size() > 1 ? &topology : nullptr;
+}
+
+bool OpContext::spans_hosts() const {
+  const HostTopology& topology = engine_.config().topology;
+  if (topology.hosts.size() < 2) return false;
+  if (!members_) return true;
+  auto host_of = [&](int rank) {
+    for (size_t h = 0; h < topology.hosts.size(); ++h) {
+      const std::vector<int>& ranks = topology.hosts[h];
+      if (std::find(ranks.begin(), ranks.end(), rank) != ranks.end()) return static_cast<int>(h);
+    }
+    return -1;
+  };
+  const int first = host_of(members_->front());
+  return std::any_of(members_->begin(), members_->end(),
+                     [&](int rank) { return host_of(rank) != first; });
 }
 
 OpContext OpContext::sub_group(std::vector<int> members, SharedMemoryDomain* shared_memory) {

@@ -97,6 +97,9 @@ class OpContext {
   // The hosts of any group that spans several (equal or not). Null for a
   // group on one host and inside a phase.
   const HostTopology* host_layout() const;
+  // Whether this context's ranks are on more than one host: a group that
+  // spans hosts, or a phase of one whose members do (a column).
+  bool spans_hosts() const;
 
   // The UCX transports the endpoint to `peer` uses (Transport::transports_to).
   std::vector<std::string> transports_to(int peer) const {

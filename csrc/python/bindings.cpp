@@ -78,7 +78,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_selected_algorithm",
       [](const std::string& op, size_t bytes, int group_size, bool shared_memory,
-         bool small_op_channel) -> std::string {
+         bool small_op_channel, bool spans_hosts) -> std::string {
         using namespace fsdp_ext::comm;
         // What each rank contributes to the small-op channel, for the ops
         // that may take it (the backend decides the same way: small_ops.cpp).
@@ -91,7 +91,8 @@ PYBIND11_MODULE(_C, m) {
         }
         if (op == "reduce_scatter_tensor") {
           if (channel(bytes, "FSDP_EXT_REDUCE_SCATTER_ALGO")) return "channel";
-          return algorithm_name(select_reduce_scatter(bytes, group_size, shared_memory));
+          return algorithm_name(
+              select_reduce_scatter(bytes, group_size, shared_memory, spans_hosts));
         }
         if (op == "all_reduce") {
           if (channel(bytes, "FSDP_EXT_ALLREDUCE_ALGO")) return "channel";
@@ -104,11 +105,12 @@ PYBIND11_MODULE(_C, m) {
         throw py::value_error("unknown op '" + op + "'");
       },
       py::arg("op"), py::arg("bytes"), py::arg("group_size"), py::arg("shared_memory") = true,
-      py::arg("small_op_channel") = false,
+      py::arg("small_op_channel") = false, py::arg("spans_hosts") = false,
       "The algorithm fsdp_ext picks for `op` on a message of `bytes` (the\n"
       "all-gather output / reduce-scatter input / buffer) in a group of `group_size`\n"
-      "whose ranks do (or do not) share memory; \"channel\" where a group with the\n"
-      "small-op channel on (one host) completes the op through it.");
+      "whose ranks do (or do not) share memory and span (or do not span) hosts;\n"
+      "\"channel\" where a group with the small-op channel on (one host) completes\n"
+      "the op through it.");
 
   // This process's liveness connections (comm/peer_liveness.h), for tests.
   m.def(

@@ -35,6 +35,16 @@ TEST(AlgorithmSelection, MessagesWithoutSharedMemory) {
   EXPECT_EQ(select_broadcast(1 * MiB, 9, false), Algorithm::kRing);
 }
 
+TEST(AlgorithmSelection, TwoRanksOnTwoHostsReduceScatterInOneMessageEachWay) {
+  EXPECT_EQ(select_reduce_scatter(1 * MiB, 2, false, /*spans_hosts=*/true), Algorithm::kRing);
+  EXPECT_EQ(select_reduce_scatter(1 * MiB - 1, 2, false, true), Algorithm::kDirect);
+  // Within one host, and with more ranks, the direct algorithm's pieces.
+  EXPECT_EQ(select_reduce_scatter(64 * MiB, 2, false, /*spans_hosts=*/false), Algorithm::kDirect);
+  EXPECT_EQ(select_reduce_scatter(64 * MiB, 3, false, true), Algorithm::kDirect);
+  ScopedVariable forced("FSDP_EXT_REDUCE_SCATTER_ALGO", "direct");
+  EXPECT_EQ(select_reduce_scatter(64 * MiB, 2, false, true), Algorithm::kDirect);
+}
+
 TEST(AlgorithmSelection, ForcedByVariable) {
   {
     ScopedVariable forced("FSDP_EXT_ALLGATHER_ALGO", "ring");

@@ -738,6 +738,26 @@ TEST(UnequalHosts, BroadcastGoesThroughALeaderPerHost) {
   }
 }
 
+// Whether a context's ranks span hosts: the whole group over two pretend
+// hosts, a column of it, not a host's phase, not a group on one host.
+TEST(HostLayout, SpansHostsForGroupsAndTheirPhases) {
+  LoopbackOptions options;
+  options.hosts = 2;
+  LoopbackGroup two_hosts(4, options);
+  two_hosts.run_ok("layout", [&](int r, OpContext& context) {
+    EXPECT_TRUE(context.spans_hosts()) << "rank " << r;
+    OpContext host = context.sub_group(r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3},
+                                       nullptr);
+    EXPECT_FALSE(host.spans_hosts()) << "rank " << r;
+    OpContext column = context.sub_group({r % 2, r % 2 + 2}, nullptr);
+    EXPECT_TRUE(column.spans_hosts()) << "rank " << r;
+  });
+  LoopbackGroup one_host(2);
+  one_host.run_ok("layout", [&](int r, OpContext& context) {
+    EXPECT_FALSE(context.spans_hosts()) << "rank " << r;
+  });
+}
+
 std::vector<Case> flat_cases() {
   std::vector<Case> cases;
   for (const char* algorithm : {"auto", "direct", "ring", "shm"}) {

@@ -199,7 +199,7 @@ void reduce_scatter(OpContext& context, const std::vector<ReduceScatterMember>& 
       for (const ConstSpan& span : member.inputs) total += span.bytes;
     }
     SharedMemoryDomain* shared = context.shared_memory();
-    switch (select_reduce_scatter(total, n, shared != nullptr)) {
+    switch (select_reduce_scatter(total, n, shared != nullptr, context.spans_hosts())) {
       case Algorithm::kSharedMemory:
         reduce_scatter_shared(context, *shared, contributions);
         divided = true;

@@ -130,16 +130,9 @@ bool OpContext::spans_hosts() const {
   const HostTopology& topology = engine_.config().topology;
   if (topology.hosts.size() < 2) return false;
   if (!members_) return true;
-  auto host_of = [&](int rank) {
-    for (size_t h = 0; h < topology.hosts.size(); ++h) {
-      const std::vector<int>& ranks = topology.hosts[h];
-      if (std::find(ranks.begin(), ranks.end(), rank) != ranks.end()) return static_cast<int>(h);
-    }
-    return -1;
-  };
-  const int first = host_of(members_->front());
+  const int first = topology.position_of(members_->front()).host;
   return std::any_of(members_->begin(), members_->end(),
-                     [&](int rank) { return host_of(rank) != first; });
+                     [&](int rank) { return topology.position_of(rank).host != first; });
 }
 
 OpContext OpContext::sub_group(std::vector<int> members, SharedMemoryDomain* shared_memory) {

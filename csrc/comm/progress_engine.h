@@ -97,6 +97,19 @@ struct HostTopology {
     }
     return true;
   }
+  struct Position {
+    int host = -1;  // -1: not in the group
+    int local = -1;
+  };
+  // Where global rank `rank` is.
+  Position position_of(int rank) const {
+    for (size_t h = 0; h < hosts.size(); ++h) {
+      for (size_t l = 0; l < hosts[h].size(); ++l) {
+        if (hosts[h][l] == rank) return Position{static_cast<int>(h), static_cast<int>(l)};
+      }
+    }
+    return Position{};
+  }
   // The ranks at position `local` on every host, host order.
   std::vector<int> column(int local_index) const {
     std::vector<int> out;

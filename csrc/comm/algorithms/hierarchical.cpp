@@ -478,16 +478,9 @@ bool hierarchical_allreduce(OpContext& context, const std::vector<AllreduceMembe
 // host's phase runs over UCX's own shared-memory transports.
 bool broadcast_through_leaders(OpContext& context, const HostTopology& topology,
                                MutableSpan data, int root) {
-  int root_host = -1, root_local = 0;
+  const auto [root_host, root_local] = topology.position_of(root);
+  if (root_host < 0) return false;
   bool gains = false;  // some host besides the root's has several ranks
-  for (size_t h = 0; h < topology.hosts.size(); ++h) {
-    const std::vector<int>& ranks = topology.hosts[h];
-    for (size_t l = 0; l < ranks.size(); ++l) {
-      if (ranks[l] != root) continue;
-      root_host = static_cast<int>(h);
-      root_local = static_cast<int>(l);
-    }
-  }
   std::vector<int> leaders;      // one per host, host order
   std::vector<int> leader_local; // its position on its host
   for (size_t h = 0; h < topology.hosts.size(); ++h) {
@@ -497,7 +490,7 @@ bool broadcast_through_leaders(OpContext& context, const HostTopology& topology,
     leaders.push_back(topology.hosts[h][local]);
     leader_local.push_back(local);
   }
-  if (!gains || root_host < 0) return false;
+  if (!gains) return false;
   // Every rank reserves both phases' sequence numbers, taking part or not.
   OpContext column = context.sub_group(leaders, nullptr);
   if (topology.local == leader_local[topology.host]) broadcast(column, data, root_host);
@@ -512,15 +505,7 @@ bool hierarchical_broadcast(OpContext& context, MutableSpan data, int root) {
     const HostTopology* unequal = context.host_layout();
     return unequal != nullptr && broadcast_through_leaders(context, *unequal, data, root);
   }
-  int root_host = 0, root_local = 0;
-  for (size_t h = 0; h < topology->hosts.size(); ++h) {
-    for (size_t l = 0; l < topology->hosts[h].size(); ++l) {
-      if (topology->hosts[h][l] == root) {
-        root_host = static_cast<int>(h);
-        root_local = static_cast<int>(l);
-      }
-    }
-  }
+  const auto [root_host, root_local] = topology->position_of(root);
   if (pipelined_broadcast(context, *topology, data, root_host, root_local)) return true;
   // Every rank reserves both phases' sequence numbers, taking part or not.
   OpContext column = column_phase(context, *topology, root_local);

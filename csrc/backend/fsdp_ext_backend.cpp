@@ -110,13 +110,15 @@ std::chrono::milliseconds FsdpExtBackend::resolve_timeout(
 
 std::chrono::microseconds FsdpExtBackend::wait_spin_for_tensors(
     const std::vector<at::Tensor>& tensors) const {
+  // Within one host the size does not matter: no set to build on every op.
+  if (engine_->config().topology.hosts.size() < 2) return wait_spin_for(0, false);
   // Distinct buffers only: an in-place op lists its tensor as input and output.
   std::unordered_set<const void*> seen;
   size_t bytes = 0;
   for (const at::Tensor& tensor : tensors) {
     if (tensor.defined() && seen.insert(tensor.data_ptr()).second) bytes += tensor.nbytes();
   }
-  return wait_spin_for(bytes, engine_->config().topology.hosts.size() > 1);
+  return wait_spin_for(bytes, /*crosses_hosts=*/true);
 }
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::enqueue(

@@ -101,6 +101,25 @@ class ForcedAlgorithm : public ::testing::TestWithParam<Case> {
   std::unique_ptr<LoopbackGroup> group_;
 };
 
+// One broadcast of `bytes` from `root`, every rank starting from its own
+// values, checked on every rank.
+void expect_broadcast(LoopbackGroup& group, size_t bytes, int root) {
+  const int n = group.size();
+  std::vector<std::vector<uint8_t>> data(n);
+  for (int r = 0; r < n; ++r) {
+    data[r].resize(bytes);
+    for (size_t i = 0; i < bytes; ++i) data[r][i] = byte_value(r, i);
+  }
+  group.run_ok("broadcast", [&](int r, OpContext& context) {
+    broadcast(context, MutableSpan{data[r].data(), bytes}, root);
+  });
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(first_mismatch(data[r].data(), bytes, [&](size_t i) { return byte_value(root, i); }),
+              -1)
+        << "rank " << r << ", root " << root << ", " << bytes << " bytes";
+  }
+}
+
 // One all-gather of `count` floats per rank, checked block by block.
 void expect_allgather(LoopbackGroup& group, size_t count) {
   const int n = group.size();
@@ -304,25 +323,8 @@ TEST_P(ForcedAlgorithm, AllreduceMaxInt32AndPremulSum) {
 }
 
 TEST_P(ForcedAlgorithm, BroadcastFromEveryRoot) {
-  LoopbackGroup& group = *group_;
-  const int n = group.size();
   for (size_t bytes : {size_t{0}, size_t{1}, size_t{3}, size_t{8191}, size_t{1200003}}) {
-    for (int root = 0; root < n; ++root) {
-      std::vector<std::vector<uint8_t>> data(n);
-      for (int r = 0; r < n; ++r) {
-        data[r].resize(bytes);
-        for (size_t i = 0; i < bytes; ++i) data[r][i] = byte_value(r, i);
-      }
-      group.run_ok("broadcast", [&](int r, OpContext& context) {
-        broadcast(context, MutableSpan{data[r].data(), bytes}, root);
-      });
-      for (int r = 0; r < n; ++r) {
-        EXPECT_EQ(first_mismatch(data[r].data(), bytes,
-                                 [&](size_t i) { return byte_value(root, i); }),
-                  -1)
-            << "rank " << r << ", root " << root << ", " << bytes << " bytes";
-      }
-    }
+    for (int root = 0; root < group_->size(); ++root) expect_broadcast(*group_, bytes, root);
   }
 }
 
@@ -663,21 +665,9 @@ TEST_P(PipelinedPhases, BroadcastFromRootsOnEachHost) {
   const int n = group.size();
   const size_t bytes = (size_t{2} << 20) + 5;  // three pieces, the last of 5 bytes
   for (int root : {n - 1, 1}) {
-    std::vector<std::vector<uint8_t>> data(n);
-    for (int r = 0; r < n; ++r) {
-      data[r].resize(bytes);
-      for (size_t i = 0; i < bytes; ++i) data[r][i] = byte_value(r, i);
-    }
     const uint64_t before = group.engine(0).sequences_used();
-    group.run_ok("broadcast", [&](int r, OpContext& context) {
-      broadcast(context, MutableSpan{data[r].data(), bytes}, root);
-    });
+    expect_broadcast(group, bytes, root);
     expect_pipelined("broadcast", before, 3);
-    for (int r = 0; r < n; ++r) {
-      EXPECT_EQ(first_mismatch(data[r].data(), bytes, [&](size_t i) { return byte_value(root, i); }),
-                -1)
-          << "rank " << r << ", root " << root;
-    }
   }
 }
 
@@ -710,27 +700,14 @@ TEST(UnequalHosts, BroadcastGoesThroughALeaderPerHost) {
         for (int h = 0; h < static_cast<int>(sizes.size()); ++h) {
           if (h != host_of[root] && sizes[h] > 1) through_leaders = true;
         }
-        std::vector<std::vector<uint8_t>> data(n);
-        for (int r = 0; r < n; ++r) {
-          data[r].resize(bytes);
-          for (size_t i = 0; i < bytes; ++i) data[r][i] = byte_value(r, i);
-        }
+        SCOPED_TRACE("hosts " + std::to_string(sizes[0]) + "+" + std::to_string(sizes[1]));
         const uint64_t before = group.engine(0).sequences_used();
-        group.run_ok("broadcast", [&](int r, OpContext& context) {
-          broadcast(context, MutableSpan{data[r].data(), bytes}, root);
-        });
+        expect_broadcast(group, bytes, root);
         const uint64_t used = group.engine(0).sequences_used() - before;
         if (through_leaders) {
           EXPECT_GE(used, 2 * kSeqsPerPhase) << "root " << root << ": two phases expected";
         } else {
           EXPECT_EQ(used, 1u) << "root " << root << ": flat expected";
-        }
-        for (int r = 0; r < n; ++r) {
-          EXPECT_EQ(first_mismatch(data[r].data(), bytes,
-                                   [&](size_t i) { return byte_value(root, i); }),
-                    -1)
-              << "hosts " << sizes[0] << "+" << sizes[1] << ", rank " << r << ", root " << root
-              << ", " << bytes << " bytes";
         }
       }
     }

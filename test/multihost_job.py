@@ -335,6 +335,9 @@ def main():
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--marker", default="")
     parser.add_argument("--timeout", type=float, default=60)
+    parser.add_argument("--linger-rank", type=int, default=-1,
+                        help="this rank leaves 1 s after the others: it closes its endpoints "
+                             "after its peers on the other host have gone")
     parser.add_argument("--backend", default="fsdp_ext",
                         help="the default group's backend (gloo: the baseline of kill runs)")
     args = parser.parse_args()
@@ -354,6 +357,8 @@ def main():
     # broken group, no exit barrier with a dead peer.
     if args.mode in ("kill", "link"):
         os._exit(0)
+    if rank == args.linger_rank:
+        time.sleep(1)
     dist.destroy_process_group()
 
 

@@ -67,10 +67,15 @@ LAYOUTS = [1, 2, (3, 1), 4] + ([3] if os.environ.get("MULTIHOST_SWEEP") == "1" e
 def test_every_collective_across_two_hosts(ranks_per_host):
     counts = ranks_per_host if isinstance(ranks_per_host, tuple) else (ranks_per_host,) * 2
     with multihost.TwoHosts() as hosts:
-        out, reports = run_job(hosts, ["--mode", "collectives"], ranks_per_host,
+        # The last rank leaves a second after the others, so it closes its
+        # endpoints to peers that have gone (Note [closing after the peer left]).
+        out, reports = run_job(hosts, ["--mode", "collectives", "--linger-rank",
+                                       str(sum(counts) - 1)], ranks_per_host,
                                env={"TORCH_CPP_LOG_LEVEL": "INFO"}, timeout=300)
     expect_reports(out, reports, range(sum(counts)))
     assert all(h.returncode == 0 for h in out), [h.output[-3000:] for h in out]
+    for h in out:
+        assert not re.search(r"UCX\s+ERROR", h.output), h.output[-3000:]
     assert {r["host"] for r in reports.values()} == set(hosts.hostnames)
     assert all(r["checked"] > 0 for r in reports.values())
     # Four fsdp_ext groups (and a gloo one) share one liveness connection per

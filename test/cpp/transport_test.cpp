@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -107,6 +110,36 @@ TEST(Transport, ClosingWhileThePeerDoesNotProgressGivesUpWithinTheBudget) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   pair->ranks[0].reset();  // destroys the worker: must not abort
   pair->ranks[1].reset();
+}
+
+TEST(Transport, ClosingAfterThePeerLeftIsQuiet) {
+  // Note [closing after the peer left]: rank 0 closes and goes away (its
+  // worker destroyed, its TCP connection closed) before rank 1 closes. Rank
+  // 1's close must end within its budget without a UCX error on the output
+  // (UCX logged "error during flush: Endpoint timeout" here).
+  testing::ScopedVariable tls("UCX_TLS", "tcp");
+  testing::ScopedVariable devices("UCX_NET_DEVICES", "lo");
+  auto pair = std::make_unique<Pair>();
+  ASSERT_TRUE(pair->carry_one_message());
+  std::atomic<bool> closed{false};
+  std::thread survivor([&] {
+    while (!closed.load()) pair->ranks[1]->progress();
+  });
+  pair->ranks[0]->close_endpoints(std::chrono::milliseconds(2000));
+  pair->ranks[0].reset();
+  closed = true;
+  survivor.join();
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 1000; ++i) pair->ranks[1]->progress();  // sees the connection close
+  pair->ranks[1]->close_endpoints(std::chrono::milliseconds(2000));
+  pair->ranks[1].reset();
+  std::fflush(nullptr);
+  const std::string logged =
+      ::testing::internal::GetCapturedStdout() + ::testing::internal::GetCapturedStderr();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(logged.find("UCX  ERROR"), std::string::npos) << logged;
 }
 
 TEST(Transport, ReportsTcpWhenThatIsAllUcxMayUse) {

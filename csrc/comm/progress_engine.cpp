@@ -24,6 +24,17 @@ constexpr auto kPendingSliceMax = std::chrono::microseconds(1000);
 constexpr auto kLossQuiet = std::chrono::milliseconds(50);
 constexpr auto kLossDrainMax = std::chrono::milliseconds(1000);
 
+// Note [a transport failure is often a lost peer]
+// A peer that dies inside an op fails this rank's reads of its memory
+// (process_vm_readv: "No such process": the kernel drops a process's memory
+// before it announces the exit on its pidfd) or its messages, a moment
+// before the watchers (pidfd, liveness connection) report the exit. Reported
+// as it is, such an error names a pid or a UCX status, not the rank that
+// died. So an op that failed in its transport waits up to kLossGrace for a
+// watcher to report a lost peer, and then reports that loss, with the
+// transport's error after it.
+constexpr auto kLossGrace = std::chrono::milliseconds(200);
+
 template <typename Finished>
 bool drain_after_loss(Transport& transport, Finished&& finished) {
   const auto start = Clock::now();
@@ -355,6 +366,18 @@ void ProgressEngine::run_op(EngineOp& op) {
   } catch (const std::exception& error) {
     failure.kind = ErrorKind::kTransport;
     failure.message = description + ": " + error.what();
+  }
+  if (failure.kind == ErrorKind::kTransport && !failure.message.empty()) {
+    // Note [a transport failure is often a lost peer]
+    const auto until = Clock::now() + kLossGrace;
+    while (check_peers().empty() && Clock::now() < until) {
+      wakeup_->sleep(until, /*wake_on_submit=*/false);
+    }
+    if (!peer_lost_.empty()) {
+      failure.kind = ErrorKind::kPeerLost;
+      failure.message = description + ": " + peer_lost_ + " (this rank's op then failed: " +
+                        failure.message + ")";
+    }
   }
   running_ = nullptr;
   {

@@ -153,8 +153,9 @@ std::vector<FsdpExtBackend*>& registry() {
 }
 
 // "UCX transports: sysv/memory cma/memory (this host), tcp/eth0 (other
-// hosts)": what UCX chose for this rank's endpoints to its peers (from the
-// progress thread, once every endpoint carried the init op's messages).
+// hosts)": what UCX chose for the endpoints this rank made during the init
+// op (rank 0: to every rank; the others: to rank 0), from the progress
+// thread.
 std::string describe_transports(comm::OpContext& context, const std::vector<bool>& remote_peers) {
   std::set<std::string> local, remote;
   for (int peer = 0; peer < context.size(); ++peer) {
@@ -168,7 +169,7 @@ std::string describe_transports(comm::OpContext& context, const std::vector<bool
     for (const std::string& name : names) out += (out.empty() ? "" : " ") + name;
     return out + " (" + where + ")";
   };
-  if (local.empty() && remote.empty()) return "UCX transports: none (no peers)";
+  if (local.empty() && remote.empty()) return "UCX transports: none (no endpoint yet)";
   std::string out = "UCX transports: ";
   if (!local.empty()) out += joined(local, "this host");
   if (!remote.empty()) out += (local.empty() ? "" : ", ") + joined(remote, "other hosts");
@@ -273,20 +274,25 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   } catch (const std::runtime_error& error) {
     C10_THROW_ERROR(DistBackendError, init_label.prefix() + error.what());
   }
-  // Wire up every connection now, find a missing peer at init (within the
-  // timeout) rather than at the first collective, and agree on shared
-  // memory: on only if every rank could map every other rank's memory.
+  // Find a missing peer at init (within the timeout) rather than at the
+  // first collective, and agree on shared memory: on only if every rank
+  // could map every other rank's memory. A reduce to rank 0 and a broadcast
+  // rather than an all-reduce: the small all-reduce's direct algorithm sends
+  // to every rank, which would give every rank an endpoint to every other
+  // (Note [an endpoint on first use]); this way the others send to rank 0
+  // (and, in groups of more than 8, along the broadcast's ring) only.
   auto domain = shared_memory_;
   auto transports = std::make_shared<std::string>();
   auto work = enqueue(init_label, c10d::OpType::BARRIER, nullptr, true, default_timeout_, {},
                       {}, [shared_ok, domain, pids, remote_peers, transports](
                               comm::OpContext& context) {
-                        comm::allreduce(context,
-                                        comm::MutableSpan{shared_ok->data(), sizeof(*shared_ok)},
-                                        comm::ReduceSpec{comm::DataType::kInt32,
-                                                         comm::ReduceKind::kMin});
+                        const comm::MutableSpan agreed{shared_ok->data(), sizeof(*shared_ok)};
+                        comm::reduce(context, agreed, 0,
+                                     comm::ReduceSpec{comm::DataType::kInt32,
+                                                      comm::ReduceKind::kMin});
+                        comm::broadcast(context, agreed, 0);
                         if ((*shared_ok)[0] == 1) domain->enable(pids, (*shared_ok)[1] == 1);
-                        // Endpoints are wired up now; their lanes are final.
+                        // The endpoints made so far carried a message; their lanes are final.
                         *transports = describe_transports(context, remote_peers);
                       });
   work->wait();

@@ -105,6 +105,9 @@ class OpContext {
   std::vector<std::string> transports_to(int peer) const {
     return transport_.transports_to(global(peer));
   }
+  // The group's ranks (global) this rank has sent a message to, and so holds
+  // an endpoint to (Transport::connected_peers).
+  std::vector<int> connected_peers() const { return transport_.connected_peers(); }
 
   // A phase of a hierarchical op: `members` (global ranks, this one among
   // them) as a group of their own, with `shared_memory` the domain enabled

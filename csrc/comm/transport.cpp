@@ -9,6 +9,7 @@
 #include <mutex>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 
 #include "comm/error.h"
@@ -75,18 +76,52 @@ Transport::~Transport() {
   context_.reset();
 }
 
+// Note [an endpoint on first use]
+// A group's algorithms talk to few of its ranks: ring neighbours, the
+// ranks of the same position on the other hosts (the column phase of a
+// hierarchical op), while data within a host goes through shared memory.
+// Endpoints made up front to every rank cost, per group and process, a TCP
+// connection to every rank of every other host (990 for a 1000-rank job of
+// 8 ranks per host) and their wire-up at init. So an endpoint is made on the
+// progress thread when the first message goes to its rank. The receiving
+// side needs none: UCX accepts a connection from a worker it has no endpoint
+// to, and pairs it with the one that worker later makes back. A rank that
+// cannot be reached is still found at init: the init op includes every rank,
+// and peers on other hosts are watched through the process's liveness
+// connections, made at init (peer_liveness.h).
 void Transport::connect(const std::vector<std::vector<uint8_t>>& addresses) {
+  if (static_cast<int>(addresses.size()) != size_) {
+    throw std::invalid_argument("connect: " + std::to_string(addresses.size()) + " worker addresses for " +
+                        std::to_string(size_) + " ranks");
+  }
+  addresses_ = addresses;
   endpoints_.assign(size_, nullptr);
-  for (int peer = 0; peer < size_; ++peer) {
+}
+
+ucp_ep_h Transport::endpoint_to(int peer) {
+  ucp_ep_h& endpoint = endpoints_.at(peer);
+  if (endpoint == nullptr) {
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
-    params.address = reinterpret_cast<const ucp_address_t*>(addresses[peer].data());
-    check_ucs(ucp_ep_create(worker_->get(), &params, &endpoints_[peer]),
+    params.address = reinterpret_cast<const ucp_address_t*>(addresses_[peer].data());
+    check_ucs(ucp_ep_create(worker_->get(), &params, &endpoint),
               ("ucp_ep_create to rank " + std::to_string(peer)).c_str());
   }
+  return endpoint;
+}
+
+std::vector<int> Transport::connected_peers() const {
+  std::vector<int> peers;
+  for (int peer = 0; peer < static_cast<int>(endpoints_.size()); ++peer) {
+    if (endpoints_[peer] != nullptr) peers.push_back(peer);
+  }
+  return peers;
 }
 
 std::vector<std::string> Transport::transports_to(int peer) const {
+  if (peer < 0 || peer >= static_cast<int>(endpoints_.size()) || endpoints_[peer] == nullptr) {
+    return {};
+  }
   // ucp_ep_print_info writes lines like
   //   "#                 lane[1]:  8:cma/memory.0 md[5] -> md[5]/cma/... rma_bw#0"
   // to a FILE: capture them and keep the local "name/device" of each lane.
@@ -124,7 +159,7 @@ void Transport::post_send(Request& request, int peer, uint64_t tag,
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK;
   param.cb.send = noop_send_callback;
   ucs_status_ptr_t result =
-      ucp_tag_send_nbx(endpoints_[peer], data, bytes, tag, &param);
+      ucp_tag_send_nbx(endpoint_to(peer), data, bytes, tag, &param);
   if (result == nullptr) {
     request.finished = true;
   } else if (UCS_PTR_IS_ERR(result)) {

@@ -42,8 +42,12 @@ class Transport {
   // Shared so that memory registrations can outlive the transport.
   const std::shared_ptr<UcxContext>& context() const { return context_; }
 
-  // Creates one endpoint per rank from the exchanged worker addresses.
+  // Keeps the exchanged worker addresses (one per rank). The endpoint to a
+  // rank is made when the first message goes to it: Note [an endpoint on
+  // first use].
   void connect(const std::vector<std::vector<uint8_t>>& addresses);
+  // The ranks this one has an endpoint to (it sent them a message), sorted.
+  std::vector<int> connected_peers() const;
 
   void post_send(Request& request, int peer, uint64_t tag, const void* data,
                  size_t bytes);
@@ -64,7 +68,8 @@ class Transport {
   // The UCX transports the endpoint to `peer` uses, as "name/device" (e.g.
   // "posix/memory", "cma/memory", "tcp/eth0"), sorted and without repeats;
   // from ucp_ep_print_info, the only place UCX 1.13 reports them. Progress
-  // thread only, after the endpoint carried a message (lanes are final then).
+  // thread only, after the endpoint carried a message (lanes are final then);
+  // empty for a rank never sent to.
   std::vector<std::string> transports_to(int peer) const;
 
   // Flush-closes every endpoint, waiting at most `budget`, then force-closes
@@ -76,7 +81,11 @@ class Transport {
   int size_;
   std::shared_ptr<UcxContext> context_;
   std::unique_ptr<UcxWorker> worker_;
-  std::vector<ucp_ep_h> endpoints_;
+  // The endpoint to `peer`, made now if this is the first message to it.
+  ucp_ep_h endpoint_to(int peer);
+
+  std::vector<std::vector<uint8_t>> addresses_;
+  std::vector<ucp_ep_h> endpoints_;  // by rank; null until first used
 };
 
 }  // namespace fsdp_ext::comm

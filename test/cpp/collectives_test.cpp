@@ -7,6 +7,7 @@
 // by element against what every rank contributed.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
@@ -713,6 +714,40 @@ TEST(UnequalHosts, BroadcastGoesThroughALeaderPerHost) {
     }
     expect_allgather(group, 8191);
   }
+}
+
+// Note [an endpoint on first use]: a rank holds endpoints only to the ranks
+// its algorithms sent to. Over two pretend hosts of four ranks, every
+// collective crosses hosts only between ranks of the same position (the
+// column phase); within a host the shared-memory protocol's small header
+// and done messages go to every peer of the host. So of the four ranks on
+// the other host, only one gets an endpoint. A ring without shared memory
+// sends to the next rank only.
+TEST(Endpoints, OnlyToTheRanksAnAlgorithmSendsTo) {
+  LoopbackOptions options;
+  options.hosts = 2;
+  LoopbackGroup two_hosts(8, options);
+  expect_allgather(two_hosts, 8191);
+  expect_allreduce_sum(two_hosts, (size_t{1} << 20) + 3);
+  expect_broadcast(two_hosts, 3, 6);
+  two_hosts.run_ok("endpoints", [&](int r, OpContext& context) {
+    std::vector<int> expected;
+    for (int peer = r / 4 * 4; peer < r / 4 * 4 + 4; ++peer) {
+      if (peer != r) expected.push_back(peer);
+    }
+    expected.push_back((r + 4) % 8);  // the column peer on the other host
+    std::sort(expected.begin(), expected.end());
+    EXPECT_EQ(context.connected_peers(), expected) << "rank " << r;
+  });
+
+  ScopedVariable ring("FSDP_EXT_ALLGATHER_ALGO", "ring");
+  LoopbackOptions flat;
+  flat.shared_memory = false;
+  LoopbackGroup one_host(5, flat);
+  expect_allgather(one_host, 8191);
+  one_host.run_ok("endpoints", [&](int r, OpContext& context) {
+    EXPECT_EQ(context.connected_peers(), std::vector<int>{(r + 1) % 5}) << "rank " << r;
+  });
 }
 
 // Whether a context's ranks span hosts: the whole group over two pretend

@@ -93,8 +93,27 @@ TEST(Transport, ReportsTheTransportsOfEachEndpoint) {
     EXPECT_EQ(transport.find(' '), std::string::npos) << transport;
   }
   EXPECT_TRUE(std::is_sorted(to_peer.begin(), to_peer.end()));
-  // An endpoint to this worker itself (every rank has one) has lanes too.
-  EXPECT_FALSE(pair.ranks[0]->transports_to(0).empty());
+  // No endpoint, so nothing to report, where no message went (to itself).
+  EXPECT_TRUE(pair.ranks[0]->transports_to(0).empty());
+}
+
+TEST(Transport, MakesAnEndpointOnlyToRanksItSendsTo) {
+  // Note [an endpoint on first use]: rank 1 only received, so it has no
+  // endpoint; it answers over one made now, which UCX pairs with rank 0's.
+  Pair pair;
+  EXPECT_TRUE(pair.ranks[0]->connected_peers().empty());
+  ASSERT_TRUE(pair.carry_one_message());
+  EXPECT_EQ(pair.ranks[0]->connected_peers(), std::vector<int>{1});
+  EXPECT_TRUE(pair.ranks[1]->connected_peers().empty());
+  char byte = 7, into = 0;
+  Request send, recv;
+  recv.peer = 1;
+  pair.ranks[0]->post_recv(recv, 6, tag::kMatchAll, &into, 1);
+  pair.ranks[1]->post_send(send, 0, 6, &byte, 1);
+  ASSERT_TRUE(pair.complete(send, recv));
+  EXPECT_EQ(into, 7);
+  EXPECT_EQ(pair.ranks[1]->connected_peers(), std::vector<int>{0});
+  EXPECT_EQ(pair.ranks[0]->connected_peers(), std::vector<int>{1});
 }
 
 TEST(Transport, ClosingWhileThePeerDoesNotProgressGivesUpWithinTheBudget) {

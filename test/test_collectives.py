@@ -339,6 +339,26 @@ def check_groups_in_flight(ctx):
     assert torch.all(t == n)
 
 
+def check_threads_per_group(ctx):
+    """Each group runs one progress thread of its own; what posts the groups'
+    activity for timeout reports is one thread for the whole process."""
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    def group_with_an_op():
+        group = dist.new_group(backend="fsdp_ext")
+        dist.all_reduce(torch.ones(3), group=group)  # backends are made on first use
+        return group
+
+    dist.destroy_process_group(group_with_an_op())  # anything started once per process
+    before = threads()
+    groups = [group_with_an_op() for _ in range(3)]
+    added = threads() - before
+    for group in groups:
+        dist.destroy_process_group(group)
+    assert added == 3, f"3 groups added {added} threads"
+
+
 def check_barrier_orders_ops(ctx):
     # A barrier after async ops completes only after them (FIFO per group).
     t = torch.ones(100000)
@@ -363,6 +383,7 @@ def check_barrier_orders_ops(ctx):
         check_coalescing,
         check_object_collectives,
         check_groups_in_flight,
+        check_threads_per_group,
         check_barrier_orders_ops,
     ],
     ids=lambda f: f.__name__.removeprefix("check_"),

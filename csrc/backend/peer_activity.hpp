@@ -2,20 +2,18 @@
 // timed-out op can say what the missing peers were last doing without asking
 // them (they may be stuck, or gone).
 //
-// A low-priority thread posts this rank's EngineActivity ("in all_reduce op
-// #12", "not in any collective (last began barrier op #11)") whenever it
-// changed, at most every kPostInterval; ops never touch the store. The
-// report is therefore up to that interval stale, which is far below any
-// collective timeout.
+// One thread per process, shared by every group of the process, posts each
+// group's EngineActivity for this rank ("in all_reduce op #12", "not in any
+// collective (last began barrier op #11)") whenever it changed, at most
+// every kPostInterval; ops never touch the store. The report is therefore
+// up to that interval stale, which is far below any collective timeout.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include <condition_variable>
 #include <functional>
-#include <mutex>
+#include <memory>
 #include <string>
-#include <thread>
 
 #include "comm/progress_engine.h"
 
@@ -37,21 +35,20 @@ class PeerActivityBoard {
                               const std::function<std::string(int)>& name_rank) const;
 
   static std::string format(const comm::EngineActivity& activity);
+  // Ends this board's posts; when it returns, the poster no longer reads
+  // the activity. Safe to call twice.
   void stop();
 
+  // What the process's poster thread holds of one board.
+  struct Posting;
+
  private:
-  // `posted`: the text the store holds for this rank when the loop starts.
-  void post_loop(std::string posted);
   std::string key(int rank) const;
 
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;
   int size_;
-  std::function<comm::EngineActivity()> read_activity_;
-  std::mutex mutex_;
-  std::condition_variable stop_requested_;
-  bool stopping_ = false;
-  std::thread poster_;
+  std::shared_ptr<Posting> posting_;
 };
 
 }  // namespace fsdp_ext::backend

@@ -144,12 +144,13 @@ void reduce_scatter_ring(OpContext& context, const std::vector<ReduceScatterMemb
       if (step < n - 2) {
         reduce_into(incoming, member.inputs[recv_block].data, count, member.spec.type,
                     member.spec.kind);
-      } else if (member.output.data == member.inputs[r].data) {
-        reduce_into(member.output.data, incoming, count, member.spec.type, member.spec.kind);
       } else {
-        detail::copy_if_distinct(member.output.data, incoming, member.output.bytes);
-        reduce_into(member.output.data, member.inputs[r].data, count, member.spec.type,
-                    member.spec.kind);
+        // This rank's block: its own contribution then the partial sum that
+        // came in, in one blocked pass (the output may alias the input), with
+        // AVG's divide made while each block is in cache. A copy into the
+        // output followed by a second pass over it cost a 16 MiB reduce-
+        // scatter of two ranks on two hosts about a fifth of its time.
+        detail::reduce_sources(member.output, member.inputs[r].data, {incoming}, member.spec);
       }
     }
   }
@@ -207,6 +208,7 @@ void reduce_scatter(OpContext& context, const std::vector<ReduceScatterMember>& 
       case Algorithm::kRing:
         detail::in_step_windows(context, contributions, static_cast<uint32_t>(n - 1),
                                 [&](const auto& window) { reduce_scatter_ring(context, window); });
+        divided = true;
         break;
       case Algorithm::kDirect:
         detail::in_step_windows(context, in_pieces(contributions), 1, [&](const auto& window) {

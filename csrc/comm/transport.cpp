@@ -28,10 +28,11 @@ void noop_recv_callback(void*, ucs_status_t, const ucp_tag_recv_info_t*, void*) 
 // lost. UCX's peer error handling would end such a flush quietly, but it
 // takes the put lane from TCP endpoints, so large messages then go through
 // bounce buffers (one interleaved A/B across two emulated hosts: a 16 MiB
-// all-gather took 5.9-6.1 ms with it against 4.5-5.4 ms without). So the flush stays as it is, and while a thread closes endpoints
-// (and destroys the worker) a log filter drops exactly that message on that
-// thread. The filter is UCX's own hook (ucs_log_push_handler), installed once
-// per process; every other UCX message, and every message of other threads,
+// all-gather took 5.9-6.1 ms with it against 4.5-5.4 ms without). So the
+// flush stays as it is, and while a thread closes endpoints (and destroys
+// the worker) a log filter drops exactly that message on that thread. The
+// filter is UCX's own hook (ucs_log_push_handler), installed once per
+// process; every other UCX message, and every message of other threads,
 // still reaches UCX's printer. A flush that fails at close means the peer
 // is gone, which its own liveness connection reports where it matters
 // (during an op, peer_liveness.h).
@@ -81,7 +82,7 @@ Transport::~Transport() {
 // ranks of the same position on the other hosts (the column phase of a
 // hierarchical op), while data within a host goes through shared memory.
 // Endpoints made up front to every rank cost, per group and process, a TCP
-// connection to every rank of every other host (990 for a 1000-rank job of
+// connection to every rank of every other host (992 for a 1000-rank job of
 // 8 ranks per host) and their wire-up at init. So an endpoint is made on the
 // progress thread when the first message goes to its rank. The receiving
 // side needs none: UCX accepts a connection from a worker it has no endpoint
@@ -91,8 +92,8 @@ Transport::~Transport() {
 // connections, made at init (peer_liveness.h).
 void Transport::connect(const std::vector<std::vector<uint8_t>>& addresses) {
   if (static_cast<int>(addresses.size()) != size_) {
-    throw std::invalid_argument("connect: " + std::to_string(addresses.size()) + " worker addresses for " +
-                        std::to_string(size_) + " ranks");
+    throw std::invalid_argument("connect: " + std::to_string(addresses.size()) +
+                                " worker addresses for " + std::to_string(size_) + " ranks");
   }
   addresses_ = addresses;
   endpoints_.assign(size_, nullptr);

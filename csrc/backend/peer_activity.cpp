@@ -95,14 +95,13 @@ class ActivityPoster {
 
 PeerActivityBoard::PeerActivityBoard(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                                      std::function<comm::EngineActivity()> read_activity)
-    : store_(std::move(store)), rank_(rank), size_(size),
-      posting_(std::make_shared<Posting>()) {
-  posting_->store = store_;
+    : rank_(rank), size_(size), posting_(std::make_shared<Posting>()) {
+  posting_->store = std::move(store);
   posting_->key = key(rank_);
   posting_->read_activity = std::move(read_activity);
   // Posted once before any op, so every key exists when a peer reads it.
   posting_->posted = format(posting_->read_activity());
-  store_->set(posting_->key, bytes_of(posting_->posted));
+  posting_->store->set(posting_->key, bytes_of(posting_->posted));
   ActivityPoster::of_this_process().add(posting_);
 }
 
@@ -135,8 +134,8 @@ std::string PeerActivityBoard::describe_others(
   try {
     for (int rank = 0; rank < size_; ++rank) {
       if (rank == rank_) continue;
-      if (!store_->check({key(rank)})) continue;
-      const std::vector<uint8_t> raw = store_->get(key(rank));
+      if (!posting_->store->check({key(rank)})) continue;
+      const std::vector<uint8_t> raw = posting_->store->get(key(rank));
       const std::string text(raw.begin(), raw.end());
       if (text == same_as_mine) continue;  // in this op too: not the one missing
       out += (out.empty() ? "" : "; ") + name_rank(rank) + ": " + text.substr(text.find('|') + 1);

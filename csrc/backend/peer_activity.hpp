@@ -45,10 +45,9 @@ class PeerActivityBoard {
  private:
   std::string key(int rank) const;
 
-  c10::intrusive_ptr<c10d::Store> store_;
   int rank_;
   int size_;
-  std::shared_ptr<Posting> posting_;
+  std::shared_ptr<Posting> posting_;  // holds the store, shared with the poster
 };
 
 }  // namespace fsdp_ext::backend

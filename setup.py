@@ -10,18 +10,32 @@ torch):
 
 Needs cmake (>= 3.22) and, preferably, ninja; CMakeLists.txt uses ccache when
 present. MAX_JOBS caps the parallel compile jobs (default: every CPU).
+
+UCX: the system's when pkg-config finds one (it may have InfiniBand), else
+PyPI's libucx wheel (libucx-cu13; libucx-cu12 for a torch built with CUDA 12),
+which is also a dependency of the package: the one installed in this
+environment, or, where none is yet (pip installs dependencies after building),
+the wheel fetched into build/ for its headers. FSDP_EXT_UCX=system or =wheel
+insists on one (cmake/ucx.cmake).
 """
 
+import glob
 import os
 import shutil
 import subprocess
 import sys
+import zipfile
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CMAKE_BUILD_DIR = os.path.join(ROOT, "build", "cmake-ext")
+# What CMake writes beside _C (CMakeLists.txt).
+BUILD_INFO = "_build_info.py"
+# The libucx wheel version fetched for a build when none is installed; the
+# package then requires at least it (UCX's ABI holds for newer libraries).
+UCX_WHEEL_VERSION = "1.22.0"
 
 
 class CMakeExtension(Extension):
@@ -34,13 +48,12 @@ class CMakeExtension(Extension):
 class CMakeBuild(build_ext):
     def build_extension(self, ext):
         try:
-            import torch.utils  # the torch this extension is for: this interpreter's
+            import torch  # the torch this extension is for: this interpreter's
         except ImportError as error:
             raise RuntimeError(
                 "install torch first, then build without build isolation: pip install --no-build-isolation ."
             ) from error
 
-        torch_prefix = torch.utils.cmake_prefix_path
         output = os.path.abspath(self.get_ext_fullpath(ext.name))
         cmake = _tool("cmake")
         if cmake is None:
@@ -49,10 +62,11 @@ class CMakeBuild(build_ext):
         configure = [
             cmake, "-S", ROOT, "-B", CMAKE_BUILD_DIR,
             "-DCMAKE_BUILD_TYPE=Release",
-            f"-DCMAKE_PREFIX_PATH={torch_prefix}",
+            # The torch to build against is this interpreter's (cmake/torch.cmake).
             f"-DPython3_EXECUTABLE={sys.executable}",
             "-DFSDP_EXT_BUILD_EXTENSION=ON",
             "-DFSDP_EXT_BUILD_TESTS=OFF",
+            *_ucx_cmake_arguments(),
             # CMake writes the module straight to where setuptools expects it.
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={os.path.dirname(output)}",
         ]
@@ -62,39 +76,86 @@ class CMakeBuild(build_ext):
         if not self.verbose:
             configure.append("--log-level=WARNING")
 
-        # A build directory configured for another interpreter or torch keeps
-        # their paths in its cache (Torch_DIR, Python3_EXECUTABLE): start it
-        # over. Configuring again with the same arguments is skipped; the
-        # build step re-runs CMake itself when CMakeLists.txt changes.
+        # A build directory configured for another interpreter, torch or UCX
+        # keeps their paths in its cache: start it over. Configuring again
+        # with the same arguments and torch is skipped; the build step re-runs
+        # CMake itself when CMakeLists.txt changes.
         cache = os.path.join(CMAKE_BUILD_DIR, "CMakeCache.txt")
         stamp = os.path.join(CMAKE_BUILD_DIR, "setup_py_configure_args")
-        if self._cache_is_for_another_torch(cache, torch_prefix):
-            os.remove(cache)
-        if not (os.path.exists(cache) and _read(stamp) == "\n".join(configure)):
+        wanted = "\n".join(configure + [f"torch {torch.__version__} in {torch.__file__}"])
+        if _read(stamp) != wanted:
+            if os.path.exists(cache):
+                os.remove(cache)
             subprocess.check_call(configure)
             with open(stamp, "w") as f:
-                f.write("\n".join(configure))
+                f.write(wanted)
 
         jobs = os.environ.get("MAX_JOBS") or str(self.parallel or os.cpu_count() or 1)
         subprocess.check_call([cmake, "--build", CMAKE_BUILD_DIR, "-j", jobs])
         if not os.path.exists(output):
             raise RuntimeError(f"CMake built no {output}; see the CMake output above")
 
-    @staticmethod
-    def _cache_is_for_another_torch(cache, torch_prefix):
-        wanted = {
-            "Torch_DIR": os.path.realpath(os.path.join(torch_prefix, "Torch")),
-            "Python3_EXECUTABLE": sys.executable,
-        }
-        for line in _read(cache).splitlines():
-            name, _, value = line.partition(":")
-            if name in wanted:
-                value = value.partition("=")[2]
-                if name == "Torch_DIR":
-                    value = os.path.realpath(value)
-                if value != wanted[name]:
-                    return True
-        return False
+    def copy_extensions_to_source(self):
+        """An in-place build (build_ext --inplace, `make build`) copies _C into
+        the source package; _build_info.py, which CMake writes beside _C (what
+        it was built against, read before _C loads), goes with it."""
+        super().copy_extensions_to_source()
+        build_py = self.get_finalized_command("build_py")
+        for ext in self.extensions:
+            inplace_file, regular_file = self._get_inplace_equivalent(build_py, ext)
+            info = os.path.join(os.path.dirname(regular_file), BUILD_INFO)
+            self.copy_file(info, os.path.join(os.path.dirname(inplace_file), BUILD_INFO),
+                           level=self.verbose)
+
+
+def _libucx_package():
+    """libucx-cu13, or -cu12 for a torch built with CUDA 12 (the wheel's CUDA
+    transports load against that CUDA; a CPU torch takes cu13's)."""
+    try:
+        import torch
+
+        cuda = torch.version.cuda or ""
+    except ImportError:
+        cuda = ""
+    return "libucx-cu12" if cuda.startswith("12.") else "libucx-cu13"
+
+
+def _ucx_cmake_arguments():
+    """The CMake arguments that pick UCX (see the module docstring)."""
+    choice = os.environ.get("FSDP_EXT_UCX", "auto").lower()
+    if choice not in ("auto", "system", "wheel"):
+        raise RuntimeError(f"FSDP_EXT_UCX={choice!r}: expected auto, system or wheel")
+    if choice != "wheel" and subprocess.call(["pkg-config", "--exists", "ucx"],
+                                             stderr=subprocess.DEVNULL) == 0:
+        return ["-DFSDP_EXT_UCX=SYSTEM"]
+    if choice == "system":
+        raise RuntimeError("FSDP_EXT_UCX=system but pkg-config finds no ucx (Debian: apt-get install libucx-dev)")
+    return ["-DFSDP_EXT_UCX=WHEEL", f"-DFSDP_EXT_UCX_WHEEL_DIR={_libucx_directory()}"]
+
+
+def _libucx_directory():
+    """The libucx package this environment has, else the wheel fetched and
+    unpacked into build/ (its headers and libraries are what the build needs;
+    pip installs the same wheel as a dependency afterwards)."""
+    try:
+        import libucx
+
+        return os.path.dirname(os.path.realpath(libucx.__file__))
+    except ImportError:
+        pass
+    package = _libucx_package()
+    target = os.path.join(ROOT, "build", f"{package}-{UCX_WHEEL_VERSION}")
+    directory = os.path.join(target, "libucx")
+    if not os.path.exists(os.path.join(directory, "lib", "cmake", "ucx")):
+        print(f"== fetching {package}=={UCX_WHEEL_VERSION} for its UCX headers and libraries", flush=True)
+        download = os.path.join(target, "download")
+        subprocess.check_call([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                               "--only-binary", ":all:", "-d", download,
+                               f"{package}=={UCX_WHEEL_VERSION}"])
+        (wheel,) = glob.glob(os.path.join(download, "*.whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(target)
+    return directory
 
 
 def _tool(name):
@@ -118,4 +179,7 @@ setup(
     ext_modules=[CMakeExtension("torch_fsdp_ext._C")],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
+    # torch is not listed: a requirement on it could make pip fetch another
+    # torch than the one this extension is built against.
+    install_requires=[f"{_libucx_package()}>={UCX_WHEEL_VERSION}"],
 )

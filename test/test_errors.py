@@ -328,7 +328,7 @@ def test_group_creation_logs_one_line(tmp_path, shared_memory, bind):
     """With TORCH_CPP_LOG_LEVEL=INFO every rank logs, per group, its rank,
     the hosts, whether shared memory and process reads are on, with the
     reason when off, the cores it may run on (and, sharing them unbound,
-    that binding helps) and the transports UCX chose."""
+    that binding helps), which UCX it runs and the transports UCX chose."""
     script = tmp_path / "run.py"
     script.write_text(CLEAN_EXIT_SCRIPT)
     for attempt in range(3):
@@ -353,7 +353,14 @@ def test_group_creation_logs_one_line(tmp_path, shared_memory, bind):
         if 1 < cores < 4:
             expected += (" shared with 1 other rank (bind each rank to its own cores for "
                          "steady collective times)")
-        assert expected + ", UCX transports: " in lines[0], lines[0]
+        # Which UCX: the version the loader bound, what the build linked
+        # (system or wheel), and the directory of that libucp.
+        from torch_fsdp_ext import _build_info
+
+        expected += f", UCX {_build_info.UCX_VERSION} ({_build_info.UCX_SOURCE}, "
+        assert expected in lines[0], lines[0]
+        ucx_directory = lines[0].split(expected)[1].split("), UCX transports: ")[0]
+        assert os.path.exists(os.path.join(ucx_directory, "libucp.so.0")), lines[0]
         # What UCX chose to reach the peer on this host, e.g. "sysv/memory
         # cma/memory (this host)" (the tests allow UCX_TLS=self,sm,tcp).
         transports = lines[0].split("UCX transports: ")[1]

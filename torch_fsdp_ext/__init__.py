@@ -10,7 +10,7 @@ UCX (shared memory on one host, TCP/RDMA across hosts).
 import torch
 import torch.distributed  # registers c10d's Backend base class before _C loads
 
-from . import _C  # noqa: E402
+from . import _native  # noqa: E402,F401  (loads _C, after checking what it was built against)
 from ._registration import BACKEND_NAME, register_backend  # noqa: E402
 
 register_backend()

@@ -19,6 +19,7 @@
 #include "comm/algorithms/algorithms.h"
 #include "comm/peer_liveness.h"
 #include "comm/tag_scheme.h"
+#include "comm/ucx_library.h"
 
 namespace fsdp_ext::backend {
 namespace {
@@ -309,7 +310,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
             << state((*shared_ok)[0] == 1, no_shared_memory) << ", process reads "
             << state((*shared_ok)[1] == 1, no_process_reads) << ", small-op channel "
             << state(small_ops_enabled_, no_small_ops) << ((*shared_ok)[0] == 1 ? layout : "")
-            << cores << ", " << *transports
+            << cores << ", " << comm::describe_ucx_library() << ", " << *transports
             << (unwatched_peers.empty() ? ""
                                         : ", not watched for loss (unreachable):" + unwatched_peers);
   std::lock_guard<std::mutex> lock(registry_mutex());

@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "torch_compat.hpp"
+
 namespace fsdp_ext::backend {
 
 std::string dtype_name(at::ScalarType type) {
@@ -64,7 +66,7 @@ comm::ReduceSpec reduce_spec(const OpLabel& label, const c10d::ReduceOp& op,
                        "dtype, got ", dtype_name(type));
       TORCH_CHECK_VALUE(op.supplement_.defined(), label.prefix(),
                         "PREMUL_SUM without a factor");
-      const auto* factor = static_cast<const c10d::PreMulSumSupplement*>(op.supplement_.get());
+      const auto* factor = static_cast<const torch_compat::PreMulSumSupplement*>(op.supplement_.get());
       spec.kind = comm::ReduceKind::kSum;
       if (factor->tensor_factor.defined()) {
         TORCH_CHECK_VALUE(factor->tensor_factor.numel() == 1, label.prefix(),

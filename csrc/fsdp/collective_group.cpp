@@ -5,6 +5,8 @@
 
 #include <vector>
 
+#include "torch_compat.hpp"
+
 namespace fsdp_ext::fsdp {
 
 namespace py = pybind11;
@@ -118,7 +120,7 @@ WorkPtr CollectiveGroup::reduce_scatter(at::Tensor& output, at::Tensor& input,
   if (premul && !backend_premul) input.mul_(*premul);
   if (backend_premul) {
     c10d::ReduceScatterOptions options;
-    options.reduceOp = c10d::makePreMulSum(*premul);
+    options.reduceOp = torch_compat::make_premul_sum(*premul);
     return without_gil([&] { return group_->_reduce_scatter_base(output, input, options); });
   }
   if (is_set(custom_reduce_scatter_)) {

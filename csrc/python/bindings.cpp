@@ -11,6 +11,7 @@
 #include "comm/algorithms/small_ops.h"
 #include "comm/memory_limits.h"
 #include "comm/peer_liveness.h"
+#include "comm/ucx_library.h"
 #include "fsdp/copy_kernels.hpp"
 
 namespace py = pybind11;
@@ -111,6 +112,21 @@ PYBIND11_MODULE(_C, m) {
       "whose ranks do (or do not) share memory and span (or do not span) hosts;\n"
       "\"channel\" where a group with the small-op channel on (one host) completes\n"
       "the op through it.");
+
+  // Which UCX the loader bound (comm/ucx_library.h): torch_fsdp_ext/_native.py
+  // checks it against the one _C was built against.
+  m.def(
+      "_ucx_library",
+      [] {
+        const fsdp_ext::comm::UcxLibrary library = fsdp_ext::comm::loaded_ucx_library();
+        py::dict out;
+        out["version"] = library.version;
+        out["directory"] = library.directory;
+        out["built_against"] = library.built_against;
+        return out;
+      },
+      "The UCX this process runs: {'version', 'directory' (of libucp),\n"
+      "'built_against' ('system' or 'wheel')}.");
 
   // This process's liveness connections (comm/peer_liveness.h), for tests.
   m.def(

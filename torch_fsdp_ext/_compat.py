@@ -1,0 +1,28 @@
+"""The differences between the torch versions we support (2.11 to 2.14).
+
+Each difference is named here once, with the version that brought it; the rest
+of the package (and the tests) asks this module instead of checking versions.
+Its C++ counterpart is ``csrc/torch_compat.hpp``.
+"""
+
+import torch
+
+# (major, minor) of the running torch, e.g. (2, 11).
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+# torch 2.12: shard_placement_fn may return a ShardPlacementResult, which gives
+# a parameter a mesh of its own (experts sharded over an expert-parallel mesh);
+# fully_shard also takes dp_mesh_dims (DataParallelMeshDims). Both None before.
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:
+    ShardPlacementResult = None
+    DataParallelMeshDims = None
+
+
+def needs_newer_torch(feature: str, version: tuple) -> str:
+    """Why `feature` is unavailable: it came with torch `version`; this is older.
+    The message for an error, or for a test's skip."""
+    wanted = ".".join(str(part) for part in version)
+    return f"{feature} needs torch >= {wanted}; this is torch {torch.__version__}"

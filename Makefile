@@ -13,7 +13,7 @@ export UCX_NET_DEVICES ?= lo
 export UCX_TLS ?= self,sm,tcp
 export UCX_LOG_LEVEL ?= error
 
-.PHONY: setup system-deps cpp-deps cpp-test venv build test demo bench clean
+.PHONY: setup system-deps cpp-deps cpp-test venv build test compat-test demo bench clean
 
 setup: build
 
@@ -90,6 +90,15 @@ $(VENV)/.test-deps: $(VENV)/.installed
 test: build cpp-test $(VENV)/.test-deps
 	$(PY) -m pytest test -q -p no:cacheprovider
 
+# The other ends of the supported torch range (test/compat_pass.sh): the
+# extension built against PyPI's torch 2.11.0 and 2.14.1 (CUDA builds, no
+# toolkit needed), each in a venv and a source copy of its own under
+# build/compat/, running the pytest suite's fast core; 2.14.1 is installed
+# with pip alone, its UCX from PyPI's libucx wheel. .ci/run runs it after
+# `make test`.
+compat-test: system-deps
+	bash test/compat_pass.sh
+
 demo: build
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/train_fsdp.py
 
@@ -99,4 +108,4 @@ bench: build
 	$(PY) benchmarks/ddp_step.py
 
 clean:
-	rm -rf build torch_fsdp_ext/_C*.so torch_fsdp_ext.egg-info
+	rm -rf build torch_fsdp_ext/_C*.so torch_fsdp_ext/_build_info.py torch_fsdp_ext.egg-info

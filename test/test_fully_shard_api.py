@@ -38,6 +38,7 @@ from fsdp_testing import (
     assert_params_match,
     average_grads,
     counting_comms,
+    upstream_has,
     fsdp_api,
     lm_batch,
     lm_loss,
@@ -299,10 +300,15 @@ def check_errors(ctx, impl):
     for container in (nn.ModuleList([nn.Linear(2, 2)]), nn.ModuleDict({"a": nn.Linear(2, 2)})):
         with pytest.raises(ValueError, match="fully_shard does not support containers that do not implement forward"):
             api.fully_shard(container)
-    # A container class that does implement forward is fine.
-    chain = api.fully_shard(ListWithForward([nn.Linear(2, 2), nn.Linear(2, 2)]))
-    assert type(chain).__name__ == "FSDPListWithForward"
-    chain(torch.randn(1, 2)).sum().backward()
+    # A container class that does implement forward is fine (ours on every
+    # torch; upstream's refuses every ModuleList before torch 2.12).
+    if impl == "ours" or upstream_has("container_with_forward"):
+        chain = api.fully_shard(ListWithForward([nn.Linear(2, 2), nn.Linear(2, 2)]))
+        assert type(chain).__name__ == "FSDPListWithForward"
+        chain(torch.randn(1, 2)).sum().backward()
+    else:
+        with pytest.raises(ValueError, match="fully_shard does not support containers"):
+            api.fully_shard(ListWithForward([nn.Linear(2, 2)]))
 
     model = api.fully_shard(nn.Sequential(api.fully_shard(nn.Linear(2, 2)), nn.Linear(2, 2)))
     with pytest.raises(AssertionError, match="FSDP does not support deepcopy"):
@@ -345,6 +351,41 @@ def check_mesh_errors(ctx, impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_mesh_errors(impl):
     get_pool(2).run(check_mesh_errors, impl)
+
+
+def check_newer_torch_features(ctx):
+    """What a newer torch brought: an invalid shard_placement_fn result is
+    upstream's ValueError; before torch 2.12 (no per-parameter meshes, no
+    dp_mesh_dims) ours also says what needs 2.12 and which torch this is."""
+    import torch_fsdp_ext
+    from torch.distributed.fsdp import fully_shard as upstream_fully_shard
+
+    from torch_fsdp_ext import _compat
+
+    def message(call):
+        with pytest.raises((ValueError, NotImplementedError)) as info:
+            call()
+        return f"{type(info.value).__name__}: {info.value}"
+
+    invalid = ("not a placement",)
+    ours = message(lambda: torch_fsdp_ext.fully_shard(
+        nn.Linear(2, 2), shard_placement_fn=lambda p: invalid))
+    if _compat.ShardPlacementResult is not None:
+        upstream = message(lambda: upstream_fully_shard(
+            nn.Linear(2, 2), shard_placement_fn=lambda p: invalid))
+        assert ours == upstream, (ours, upstream)
+        return ours
+    version = f"this is torch {torch.__version__}"
+    assert ours.startswith(f"ValueError: Invalid shard_placement_fn result: {invalid}"), ours
+    assert "ShardPlacementResult) needs torch >= 2.12" in ours and version in ours, ours
+    dims = message(lambda: torch_fsdp_ext.fully_shard(nn.Linear(2, 2), dp_mesh_dims=object()))
+    assert dims == ("NotImplementedError: torch_fsdp_ext.fully_shard: dp_mesh_dims "
+                    f"(DataParallelMeshDims) needs torch >= 2.12; {version}"), dims
+    return ours
+
+
+def test_newer_torch_features_refused_clearly():
+    get_pool(1).run(check_newer_torch_features)
 
 
 # --------------------------------------------------------------------------

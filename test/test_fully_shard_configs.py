@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import get_pool
-from fsdp_testing import IMPLS, Block, TinyLM, comm_counts, counting_comms, fsdp_api, lm_batch, lm_loss
+from fsdp_testing import (IMPLS, Block, TinyLM, comm_counts, counting_comms, fsdp_api, lm_batch,
+                          lm_loss, upstream_has)
 
 BACKENDS = ("fsdp_ext", "gloo")
 STEPS = 5
@@ -364,8 +365,12 @@ def test_shard_placement_with_mixed_precision_ws4(mesh_shape):
 
 def test_shard_placement_errors_match_upstream(pool2):
     results = pool2.run(_placement_errors)
-    assert results[0]["ours"] == results[0]["upstream"], results[0]
-    assert all("no error" not in r for r in results[0]["ours"]), results[0]
+    ours, upstream = list(results[0]["ours"]), list(results[0]["upstream"])
+    assert all("no error" not in r for r in ours), results[0]
+    if not upstream_has("invalid_placement_error"):
+        assert ours.pop() == "ValueError: Invalid shard_placement_fn result", results[0]
+        assert upstream.pop().startswith("AttributeError"), results[0]
+    assert ours == upstream, results[0]
 
 
 def _placement_errors(ctx):

@@ -43,6 +43,7 @@ from fsdp_testing import (
     lm_batch,
     lm_loss,
     plain_events,
+    requires_upstream,
     shard_lm,
 )
 
@@ -454,6 +455,7 @@ def check_grouped_fqns(ctx, impl):
     return True
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [
+    "ours", pytest.param("upstream", marks=requires_upstream("grouped_post_backward_once"))])
 def test_grouped_module_fqns(impl):
     get_pool(2).run(check_grouped_fqns, impl)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_testing import IMPLS, fsdp_api
+from fsdp_testing import IMPLS, fsdp_api, requires_upstream
 
 STEPS = 3
 
@@ -91,6 +91,7 @@ def _run_threads(world_size, fn):
     return [results[r] for r in range(world_size)]
 
 
+@requires_upstream("threaded_process_group_rounds")
 @pytest.mark.parametrize("mesh_shape,policy", [((2,), "none"), ((2,), "bf16"), ((2, 2), "none")],
                          ids=["fsdp2", "fsdp2-bf16", "hsdp2x2"])
 def test_python_process_group_trains_like_upstream(mesh_shape, policy):

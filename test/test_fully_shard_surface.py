@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import get_pool
-from fsdp_testing import IMPLS, TinyLM, fsdp_api, lm_batch, lm_loss
+from fsdp_testing import IMPLS, TinyLM, fsdp_api, lm_batch, lm_loss, requires_upstream, upstream_has
 from test_fully_shard_configs import make_mesh
 
 STEPS = 4
@@ -342,14 +342,14 @@ def train_case(ctx, backend, mesh_shape, case):
     return results
 
 
-def _run_case(ws, backend, mesh_shape, case):
+def _run_case(ws, backend, mesh_shape, case, compare_counts=True):
     per_rank = get_pool(ws).run(train_case, backend, mesh_shape, case)
     for rank, results in enumerate(per_rank):
         ours, upstream = results["ours"], results["upstream"]
         what = f"rank {rank} {backend} {mesh_shape} {case}"
         assert ours["losses"] == upstream["losses"], (
             f"{what}: losses\n ours     {ours['losses']}\n upstream {upstream['losses']}")
-        assert ours["counts"] == upstream["counts"], (
+        assert not compare_counts or ours["counts"] == upstream["counts"], (
             f"{what}: counts\n ours     {ours['counts']}\n upstream {upstream['counts']}")
         assert ours["report"] == upstream["report"], what
         assert ours["requires_grad"] == upstream["requires_grad"], what
@@ -388,6 +388,7 @@ def test_all_reduce_hook_stream_refused_under_hsdp_as_upstream():
         assert messages == ["stream cannot be set when using native HSDP"] * 4, (impl, messages)
 
 
+@requires_upstream("per_param_mesh")
 def test_per_param_mesh_matches_upstream():
     """ShardPlacementResult: a block's parameters on two meshes make two
     parameter groups (an all-gather and a reduce-scatter each), with
@@ -436,6 +437,7 @@ def _per_param_mesh_errors(ctx, impl):
     return out
 
 
+@requires_upstream("per_param_mesh")
 def test_per_param_mesh_errors_match_upstream():
     ours = get_pool(4).run(_per_param_mesh_errors, "ours")
     upstream = get_pool(4).run(_per_param_mesh_errors, "upstream")
@@ -471,16 +473,19 @@ def test_custom_comms_match_upstream():
     assert ops == ["ReduceOp.SUM"] or ops == ["RedOpType.SUM"], ops
 
 
+@requires_upstream("separate_reduce_scatter_group")
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["fsdp", "hsdp"])
 def test_separate_reduce_scatter_group_matches_upstream(mesh_shape):
     _run_case(4 if len(mesh_shape) == 2 else 2, "fsdp_ext", mesh_shape,
               "separate_reduce_scatter_group")
 
 
+@requires_upstream("reduce_scatter_max_input_buffers")
 def test_reduce_scatter_max_input_buffers_matches_upstream():
     _run_case(2, "fsdp_ext", (2,), "max_input_buffers")
 
 
+@requires_upstream("reduce_scatter_unused_params")
 def test_unused_params_on_some_ranks_match_upstream():
     per_rank = _run_case(2, "fsdp_ext", (2,), "unused_params")
     # One reduce-scatter per group, the root's carrying both branches (one
@@ -491,10 +496,14 @@ def test_unused_params_on_some_ranks_match_upstream():
 @pytest.mark.parametrize("backend", ["fsdp_ext", "gloo"])
 def test_grouped_head_called_per_chunk_matches_upstream(backend):
     """fully_shard([norm, head]) where forward skips the head and the loss
-    applies it per chunk: the head's gradients are reduced like upstream's."""
-    _run_case(2, backend, (2,), "chunked_head")
+    applies it per chunk: the head's gradients are reduced like upstream's
+    (before torch 2.13 upstream's reduce-scatter once fewer per step, with the
+    same numbers: fsdp_testing.UPSTREAM_SINCE)."""
+    _run_case(2, backend, (2,), "chunked_head",
+              compare_counts=upstream_has("grouped_outside_forward"))
 
 
+@requires_upstream("grouped_outside_forward")
 def test_grouped_head_called_alone_after_backward_matches_upstream():
     """Regression: the second backward's gradients of a grouped module run on
     its own were issued but never completed, so the head lost them."""
@@ -544,9 +553,13 @@ def test_frozen_and_trainable_params_match_upstream():
 
 def test_setter_errors_match_upstream(pool2):
     results = pool2.run(_setter_errors)
-    assert results[0]["ours"] == results[0]["upstream"], results[0]
+    ours, upstream = dict(results[0]["ours"]), dict(results[0]["upstream"])
     assert "shared with a parameter already managed by another FSDP group" in (
-        results[0]["ours"]["tied_separately"])
+        ours["tied_separately"])
+    if not upstream_has("tied_across_groups_refused"):
+        assert upstream.pop("tied_separately") == "no error", upstream
+        del ours["tied_separately"]
+    assert ours == upstream, results[0]
 
 
 def _setter_errors(ctx):
@@ -563,6 +576,9 @@ def _setter_errors(ctx):
             errors["tied_separately"] = "no error"
         except ValueError as error:
             errors["tied_separately"] = str(error)
+        if not upstream_has("reduce_scatter_max_input_buffers"):
+            out[impl] = errors
+            continue
         model = nn.Sequential(nn.Linear(4, 4))
         api.fully_shard(model, mesh=mesh)
         for bad in (0, True, 1.5):
@@ -924,6 +940,7 @@ def _spmd_model(mesh):
     return distribute_module(TPModel(), mesh, partition, input_fn=inputs)
 
 
+@requires_upstream("dp_mesh_dims")
 @pytest.mark.parametrize("shape,dims", [((2, 2), "fsdp"), ((2, 2), "hsdp"), ((2, 2), "ddp")])
 def test_dp_mesh_dims_matches_upstream(shape, dims):
     results = get_pool(4).run(_train_spmd, shape, dims)

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .. import _C
+from .. import _C, _compat
 from . import _tensor_parallel
 
 
@@ -68,6 +68,10 @@ def mesh_info(mesh: DeviceMesh, dp_mesh_dims=None) -> MeshInfo:
             "(CPU only in this release)"
         )
     if dp_mesh_dims is not None:
+        if _compat.DataParallelMeshDims is None:
+            raise NotImplementedError(
+                "torch_fsdp_ext.fully_shard: "
+                + _compat.needs_newer_torch("dp_mesh_dims (DataParallelMeshDims)", (2, 12)))
         return _spmd_mesh_info(mesh, dp_mesh_dims)
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
@@ -302,16 +306,19 @@ def resolve_placement(shard_placement_fn, param: nn.Parameter, info: MeshInfo,
     an expert-parallel mesh). Checked with upstream's rules and errors.
     `per_param_infos`: one fully_shard call's MeshInfos made so far, by the
     id of the upstream mesh info they were made from."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-
     result = shard_placement_fn(param) if shard_placement_fn is not None else None
     param_info = info
-    if isinstance(result, ShardPlacementResult):
+    per_param_mesh = _compat.ShardPlacementResult
+    if per_param_mesh is not None and isinstance(result, per_param_mesh):
         param_info = _per_param_mesh_info(result.mesh_info, info, param, per_param_infos)
         result = result.placement
     if result is None:
         return Shard(0), param_info
     if not isinstance(result, Shard):
+        if per_param_mesh is None:
+            why = _compat.needs_newer_torch("a mesh per parameter (ShardPlacementResult)", (2, 12))
+            raise ValueError(
+                f"Invalid shard_placement_fn result: {result} (expected a Shard or None; {why})")
         raise ValueError(f"Invalid shard_placement_fn result: {result}")
     dim = result.dim + param.ndim if result.dim < 0 else result.dim
     if dim >= param.ndim:

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The compatibility pass (`make compat-test`, run by .ci/run after `make test`):
+# the extension built and tested against the other ends of the supported torch
+# range, each in a venv and a copy of the source tree of its own under
+# build/compat/ (the main tree's in-place _C stays the one `make` built).
+#
+#   2.11.0  PyPI's CUDA build (the GPU machine's torch): built in place with
+#           setup.py, against the system's UCX when there is one;
+#   2.14.1  PyPI's CUDA build, installed as a new user would: a venv with only
+#           torch, `pip install --no-build-isolation .` with the system's UCX
+#           ignored (FSDP_EXT_UCX=wheel: UCX then comes from PyPI's libucx
+#           wheel), the source package removed from the copy so that only the
+#           installed one can be imported, a 2-rank smoke run
+#           (test/smoke_installed.py).
+#
+# Then each runs the pytest suite's fast core (COMPAT_TESTS). Neither torch
+# needs a GPU or a CUDA toolkit here: the extension is CPU-only.
+#
+#   test/compat_pass.sh [VERSION ...]      (default: 2.11.0 2.14.1)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PYTHON=${PYTHON:-python3}
+# The drop-in and API surface, training parity with upstream, bad input and
+# errors, the collectives against gloo.
+COMPAT_TESTS=(test/test_drop_in.py test/test_fully_shard_api.py test/test_fully_shard_surface.py
+              test/test_fully_shard_training.py test/test_training.py test/test_errors.py
+              test/test_collectives.py)
+export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} UCX_TLS=${UCX_TLS:-self,sm,tcp}
+export UCX_LOG_LEVEL=${UCX_LOG_LEVEL:-error}
+
+# A venv with exactly torch==$1 (pinned: a bare torch would pull the newest).
+make_venv() {
+  local version=$1 venv=$2
+  if [ ! -e "$venv/.torch-installed" ]; then
+    rm -rf "$venv"
+    "$PYTHON" -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --upgrade pip
+    "$venv/bin/python" -m pip install -q "torch==$version"
+    touch "$venv/.torch-installed"
+  fi
+}
+
+# A copy of the source tree (what git tracks or would track), at a fixed path
+# so that ccache finds its objects again on the next run.
+copy_tree() {
+  local target=$1
+  rm -rf "$target"
+  mkdir -p "$target"
+  git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
+    [ -e "$f" ] && printf '%s\0' "$f"
+  done | tar -C "$ROOT" --null -T - -cf - | tar -C "$target" -xf -
+}
+
+run_core_tests() {
+  local venv=$1 src=$2
+  "$venv/bin/python" -m pip install -q numpy pytest
+  (cd "$src" && "$venv/bin/python" -m pytest -q -p no:cacheprovider "${COMPAT_TESTS[@]}")
+}
+
+pass_in_place() {  # build with setup.py in the copy, as `make build` does
+  local version=$1 venv=$2 src=$3
+  "$venv/bin/python" -m pip install -q ninja setuptools wheel
+  (cd "$src" && PATH=/usr/lib/ccache:$PATH MAX_JOBS=2 "$venv/bin/python" setup.py -q build_ext --inplace)
+  echo "$src" > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch_fsdp_ext_dev.pth"
+  run_core_tests "$venv" "$src"
+}
+
+pass_pip_alone() {  # a venv with only torch; pip install as a user would, no system UCX
+  local version=$1 venv=$2 src=$3
+  "$venv/bin/python" -m pip uninstall -q -y torch_fsdp_ext libucx-cu13 libucx-cu12 2>/dev/null || true
+  (cd "$src" && PATH=/usr/lib/ccache:$PATH MAX_JOBS=2 FSDP_EXT_UCX=wheel \
+     "$venv/bin/python" -m pip install -q --no-build-isolation .)
+  # Only the installed package can be imported from here on.
+  rm -rf "$src/torch_fsdp_ext"
+  (cd "$src" && "$venv/bin/torchrun" --standalone --nproc-per-node 2 test/smoke_installed.py)
+  run_core_tests "$venv" "$src"
+}
+
+versions=("$@")
+[ ${#versions[@]} -gt 0 ] || versions=(2.11.0 2.14.1)
+for version in "${versions[@]}"; do
+  start=$SECONDS
+  venv=$ROOT/build/compat/venv-$version
+  src=$ROOT/build/compat/src-$version
+  echo "== compatibility pass: torch $version"
+  make_venv "$version" "$venv"
+  copy_tree "$src"
+  case $version in
+    2.14.*) pass_pip_alone "$version" "$venv" "$src" ;;
+    *) pass_in_place "$version" "$venv" "$src" ;;
+  esac
+  echo "== compatibility pass: torch $version passed in $((SECONDS - start)) s"
+done

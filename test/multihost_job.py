@@ -325,10 +325,80 @@ def link(rank, world, victim, marker):
                seconds=time.monotonic() - started)
 
 
+def stray(rank, world, marker):
+    """Issue 38, on 2 hosts x 2 ranks (0, 1 | 2, 3), gloo as the default group.
+    Each host's ranks first make a group of their own (every process then has
+    its liveness listener, with no connection across hosts). A group over a new
+    pair across hosts, (0, 2), is the baseline; then rank 0 opens stray
+    connections to rank 3's listener -- silent, a forged hello in the old
+    format and one in the new with a wrong token (both naming rank 1's
+    process), garbage, an oversized length -- and the group over the new pair
+    (1, 3) is made while they wait in the backlog. The strays then leave
+    (which must not look like rank 1 dying), and rank 1 SIGKILLs itself:
+    rank 3 reports how soon its op on that group failed."""
+    import socket as sockets
+    import struct
+
+    from torch_fsdp_ext import _C
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun's agent, after the kill
+    for ranks in ([0, 1], [2, 3]):
+        dist.new_group(ranks, backend="fsdp_ext")
+    endpoints = [None] * world
+    dist.all_gather_object(endpoints, _C._liveness_endpoint())
+
+    def timed_group(ranks):
+        dist.barrier()
+        start = time.monotonic()
+        group = dist.new_group(ranks, backend="fsdp_ext")
+        if rank in ranks:
+            dist.all_reduce(torch.ones(1), group=group)  # the group is made (lazily) by now
+        return group, time.monotonic() - start
+
+    _, baseline = timed_group([0, 2])
+    strays = []
+    if rank == 0:
+        addresses, port = endpoints[3].rsplit(":", 1)
+        target = (addresses.split(",")[0], int(port))
+        peer = endpoints[1].encode()
+        for payload in (b"",  # silent
+                        struct.pack("<I", len(peer)) + peer,  # the old hello: a length, an endpoint
+                        b"fsdpxlv1" + struct.pack("<I", len(peer)) + peer + b"0" * 32,
+                        b"GET / HTTP/1.0\r\n\r\n",
+                        b"fsdpxlv1" + struct.pack("<I", 1 << 30)):
+            client = sockets.create_connection(target, timeout=5)
+            client.sendall(payload)
+            strays.append(client)
+    dist.barrier()
+    group, with_strays = timed_group([1, 3])
+    refused = _C._liveness_refused_connections()
+    for client in strays:
+        client.close()
+    dist.barrier()
+    time.sleep(0.5)
+    if rank in (1, 3):
+        dist.all_reduce(torch.ones(3), group=group)  # the strays leaving lost no peer
+    dist.barrier()
+    fields = {"baseline": baseline, "with_strays": with_strays, "refused": refused}
+    if rank == 1:
+        with open(marker, "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 3:
+        started = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(3), group=group)
+            fields["error"] = None
+        except Exception as error:  # noqa: BLE001  (reported to the test)
+            fields.update(error=str(error), type=type(error).__name__,
+                          seconds=time.monotonic() - started)
+    report(rank, **fields)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", required=True,
-                        choices=["collectives", "train", "kill", "link"])
+                        choices=["collectives", "train", "kill", "link", "stray"])
     parser.add_argument("--victim", type=int, default=0)
     parser.add_argument("--op", choices=["all_reduce", "all_gather"], default="all_reduce",
                         help="kill: the collective the survivors are in when the victim dies")
@@ -350,12 +420,14 @@ def main():
         train(rank, world, args.steps)
     elif args.mode == "kill":
         kill(rank, world, args.victim, args.marker, args.op)
+    elif args.mode == "stray":
+        stray(rank, world, args.marker)
     else:
         link(rank, world, args.victim, args.marker)
     sys.stdout.flush()
     # Survivors of a failure leave at once: no destroy_process_group on a
     # broken group, no exit barrier with a dead peer.
-    if args.mode in ("kill", "link"):
+    if args.mode in ("kill", "link", "stray"):
         os._exit(0)
     if rank == args.linger_rank:
         time.sleep(1)

@@ -177,3 +177,31 @@ def test_host_whose_link_goes_down_is_reported_within_seconds():
     assert report["type"] == "DistBackendError", report
     assert f"rank 1 (host {hosts.hostnames[1]}, pid " in report["error"], report
     assert report["seconds"] < 5.0, report
+
+
+def test_stray_connections_neither_stall_a_group_nor_pose_as_a_peer():
+    """Issue 38: stray clients in rank 3's liveness backlog (silent, forged
+    hellos naming rank 1, garbage, an oversized length) while the group over
+    ranks 1 and 3 is made: made no slower than the baseline group (0, 2) by
+    more than 1 s, every peer watched, the strays refused, their leaving no
+    death; rank 1's real death reported within seconds."""
+    with multihost.TwoHosts() as hosts:
+        out, reports = run_job(hosts, ["--mode", "stray", "--backend", "gloo", "--timeout", "60"],
+                               2, reported=[0, 2, 3], marker=True, timeout=120, linger=15,
+                               env={"TORCH_CPP_LOG_LEVEL": "INFO"})
+    expect_reports(out, reports, [0, 2, 3])
+    baseline = max(reports[0]["baseline"], reports[2]["baseline"])
+    with_strays = reports[3]["with_strays"]
+    print(f"group creation across hosts: {baseline:.3f} s without stray clients, "
+          f"{with_strays:.3f} s with them")
+    assert with_strays < baseline + 1.0, (baseline, with_strays)
+    assert reports[3]["refused"] >= 4, reports[3]
+    output = "\n".join(h.output for h in out)
+    assert "not watched for loss" not in output, output[-4000:]
+    # Rank 3 is rank 1 of the group over (1, 3): its one line about the strays.
+    assert re.search(r"rank 1: the liveness listener \([^)]*\) refused [4-9] connection",
+                     output), output[-4000:]
+    report = reports[3]
+    assert report["type"] == "DistBackendError", report
+    assert report["seconds"] < 5.0, report
+

@@ -206,7 +206,8 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     comm::PeerLiveness& liveness = comm::PeerLiveness::of_this_process();
     PeerIdentity mine{transport->worker_address(), this_host(), getpid(),
                       shared_memory_->probe_piece(),
-                      reinterpret_cast<uint64_t>(&kProcessReadProbeValue), liveness.endpoint()};
+                      reinterpret_cast<uint64_t>(&kProcessReadProbeValue), liveness.endpoint(),
+                      liveness.address().token};
     mine.small_ops_fd = small_ops_ ? small_ops_->fd() : -1;
     std::vector<PeerIdentity> peers;
     std::vector<std::vector<uint8_t>> addresses;
@@ -239,14 +240,26 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     // pair of processes, shared by all their groups; one that cannot be
     // reached is not watched (its loss then surfaces at the op's timeout),
     // which the group's log line says.
-    std::vector<std::string> endpoints;
+    std::vector<comm::PeerLiveness::Address> addresses_of_peers;
     for (const PeerIdentity& peer : peers) {
-      endpoints.push_back(peer.liveness_endpoint);
+      addresses_of_peers.push_back({peer.liveness_endpoint, peer.liveness_token});
       remote_peers.push_back(peer.host != peers[rank].host);
     }
-    comm::PeerLiveness::Connected watched = liveness.connect(
-        rank, endpoints, remote_peers, std::min(default_timeout_, std::chrono::milliseconds(10000)));
+    comm::PeerLiveness::Connected watched =
+        liveness.connect(rank, addresses_of_peers, remote_peers,
+                         std::min(default_timeout_, std::chrono::milliseconds(10000)));
     for (int peer : watched.missing) unwatched_peers += " " + std::to_string(peer);
+    // Connections on the liveness port that were not this job's peers, since
+    // the last group's creation: one line, at most once per group.
+    static std::atomic<uint64_t> refused_reported{0};
+    const uint64_t refused = liveness.refused_connections();
+    const uint64_t reported = refused_reported.exchange(refused);
+    if (refused > reported) {
+      LOG(INFO) << "fsdp_ext group '" << group_name_ << "': rank " << rank
+                << ": the liveness listener (" << liveness.endpoint() << ") refused "
+                << refused - reported
+                << " connection(s) that did not prove to be this job's peers (no valid hello)";
+    }
     comm::EngineConfig config;
     config.topology = topology;
     config.rank = rank;

@@ -65,6 +65,8 @@ std::vector<uint8_t> serialize(const PeerIdentity& identity) {
   put(out, identity.probe_address);
   put<uint32_t>(out, static_cast<uint32_t>(identity.liveness_endpoint.size()));
   put_bytes(out, identity.liveness_endpoint.data(), identity.liveness_endpoint.size());
+  put<uint32_t>(out, static_cast<uint32_t>(identity.liveness_token.size()));
+  put_bytes(out, identity.liveness_token.data(), identity.liveness_token.size());
   put<int32_t>(out, identity.small_ops_fd);
   return out;
 }
@@ -81,6 +83,8 @@ PeerIdentity deserialize_peer_identity(const std::vector<uint8_t>& blob) {
   identity.probe_address = reader.get<uint64_t>();
   identity.liveness_endpoint.resize(reader.get<uint32_t>());
   reader.get_bytes(identity.liveness_endpoint.data(), identity.liveness_endpoint.size());
+  identity.liveness_token.resize(reader.get<uint32_t>());
+  reader.get_bytes(identity.liveness_token.data(), identity.liveness_token.size());
   identity.small_ops_fd = reader.get<int32_t>();
   return identity;
 }

@@ -21,8 +21,11 @@ struct PeerIdentity {
   // Address of a known value in this process, for peers to test
   // process_vm_readv on.
   uint64_t probe_address = 0;
-  // Where peers on other hosts connect to watch this rank (peer_liveness.h).
+  // Where peers on other hosts connect to watch this rank, and the token its
+  // listener asks them for (peer_liveness.h: published only here, through
+  // the group's store).
   std::string liveness_endpoint;
+  std::string liveness_token;
   // This rank's small-op channel region (comm/small_op_channel.h), opened
   // by peers on this host through /proc/<pid>/fd; -1 when it has none.
   int32_t small_ops_fd = -1;

@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -59,27 +60,98 @@ std::vector<std::string> preferred_devices() {
   return names;
 }
 
-std::vector<std::string> local_addresses() {
+// The IPv4 addresses of this host's interfaces that are up (not loopback):
+// UCX_NET_DEVICES's alone when it names devices that have one, else all.
+std::vector<std::string> advertised_addresses() {
   ifaddrs* list = nullptr;
   if (getifaddrs(&list) != 0) throw_errno("getifaddrs");
   const std::vector<std::string> preferred = preferred_devices();
-  std::vector<std::pair<int, std::string>> ranked;
+  std::vector<std::string> wanted, others;
   for (ifaddrs* entry = list; entry != nullptr; entry = entry->ifa_next) {
     if (entry->ifa_addr == nullptr || entry->ifa_addr->sa_family != AF_INET) continue;
     if (!(entry->ifa_flags & IFF_UP) || (entry->ifa_flags & IFF_LOOPBACK)) continue;
     char text[INET_ADDRSTRLEN] = {};
     inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(entry->ifa_addr)->sin_addr, text,
               sizeof(text));
-    const bool wanted = std::find(preferred.begin(), preferred.end(),
-                                  std::string(entry->ifa_name)) != preferred.end();
-    ranked.emplace_back(wanted ? 0 : 1, text);
+    const bool is_preferred = std::find(preferred.begin(), preferred.end(),
+                                        std::string(entry->ifa_name)) != preferred.end();
+    (is_preferred ? wanted : others).emplace_back(text);
   }
   freeifaddrs(list);
-  std::stable_sort(ranked.begin(), ranked.end(),
-                   [](const auto& a, const auto& b) { return a.first < b.first; });
-  std::vector<std::string> out;
-  for (auto& [order, address] : ranked) out.push_back(address);
-  return out;
+  return wanted.empty() ? others : wanted;
+}
+
+// Listening sockets on each of `addresses`, all on one port (the kernel's
+// pick for the first; retried where another address has it taken). With no
+// address to advertise, loopback only: nothing outside can connect.
+std::vector<UniqueFd> listen_on(std::vector<std::string> addresses, uint16_t* port) {
+  if (addresses.empty()) addresses.push_back("127.0.0.1");
+  for (int attempt = 0; attempt < 32; ++attempt) {
+    std::vector<UniqueFd> listeners;
+    uint16_t chosen = 0;
+    bool taken = false;
+    for (const std::string& address : addresses) {
+      UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+      if (!fd.valid()) throw_errno("socket");
+      sockaddr_in where{};
+      where.sin_family = AF_INET;
+      where.sin_port = htons(chosen);
+      if (inet_pton(AF_INET, address.c_str(), &where.sin_addr) != 1) {
+        throw CommError(ErrorKind::kTransport, "liveness listener: bad address " + address);
+      }
+      if (bind(fd.get(), reinterpret_cast<sockaddr*>(&where), sizeof(where)) != 0) {
+        if (errno == EADDRINUSE && chosen != 0) {
+          taken = true;
+          break;
+        }
+        throw_errno("bind (liveness socket, " + address + ")");
+      }
+      if (chosen == 0) {
+        socklen_t length = sizeof(where);
+        getsockname(fd.get(), reinterpret_cast<sockaddr*>(&where), &length);
+        chosen = ntohs(where.sin_port);
+      }
+      if (listen(fd.get(), 1024) != 0) throw_errno("listen (liveness socket)");
+      listeners.push_back(std::move(fd));
+    }
+    if (!taken) {
+      *port = chosen;
+      return listeners;
+    }
+  }
+  throw CommError(ErrorKind::kTransport,
+                  "liveness listener: no port free on every advertised address");
+}
+
+// A hello: kMagic, the connecting process's endpoint (length-prefixed), and
+// the token of the process it connects to (Note [who may connect to the
+// liveness listener]).
+constexpr char kMagic[8] = {'f', 's', 'd', 'p', 'x', 'l', 'v', '1'};
+constexpr size_t kMaxEndpointBytes = 4096;
+constexpr size_t kTokenBytes = 32;  // 16 random bytes, in hex
+
+std::string hello_for(const std::string& endpoint, const std::string& token) {
+  std::string hello(kMagic, sizeof(kMagic));
+  const auto length = static_cast<uint32_t>(endpoint.size());
+  hello.append(reinterpret_cast<const char*>(&length), sizeof(length));
+  return hello + endpoint + token;
+}
+
+std::string random_token() {
+  unsigned char raw[kTokenBytes / 2];
+  size_t filled = 0;
+  while (filled < sizeof(raw)) {
+    const ssize_t got = getrandom(raw + filled, sizeof(raw) - filled, 0);
+    if (got < 0 && errno != EINTR) throw_errno("getrandom (liveness token)");
+    if (got > 0) filled += static_cast<size_t>(got);
+  }
+  static const char kHex[] = "0123456789abcdef";
+  std::string token;
+  for (unsigned char byte : raw) {
+    token += kHex[byte >> 4];
+    token += kHex[byte & 15];
+  }
+  return token;
 }
 
 // Non-blocking connect to one address, waiting at most until `deadline`.
@@ -118,22 +190,6 @@ bool send_all(int fd, const void* data, size_t bytes, Clock::time_point deadline
   return true;
 }
 
-bool recv_all(int fd, void* data, size_t bytes, Clock::time_point deadline) {
-  char* at = static_cast<char*>(data);
-  while (bytes > 0) {
-    const ssize_t got = recv(fd, at, bytes, 0);
-    if (got > 0) {
-      at += got;
-      bytes -= static_cast<size_t>(got);
-      continue;
-    }
-    if (got == 0 || (errno != EAGAIN && errno != EINTR)) return false;
-    pollfd waiter{fd, POLLIN, 0};
-    if (poll(&waiter, 1, remaining_ms(deadline)) != 1) return false;
-  }
-  return true;
-}
-
 }  // namespace
 
 PeerLiveness& PeerLiveness::of_this_process() {
@@ -141,25 +197,14 @@ PeerLiveness& PeerLiveness::of_this_process() {
   return *instance;
 }
 
-PeerLiveness::PeerLiveness(const std::string& only_address)
-    : listener_(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)) {
-  if (!listener_.valid()) throw_errno("socket");
-  sockaddr_in any{};
-  any.sin_family = AF_INET;
-  any.sin_addr.s_addr = htonl(INADDR_ANY);
-  any.sin_port = 0;
-  if (bind(listener_.get(), reinterpret_cast<sockaddr*>(&any), sizeof(any)) != 0) {
-    throw_errno("bind (liveness socket)");
-  }
-  if (listen(listener_.get(), 1024) != 0) throw_errno("listen (liveness socket)");
-  socklen_t length = sizeof(any);
-  getsockname(listener_.get(), reinterpret_cast<sockaddr*>(&any), &length);
-  std::string addresses = only_address;
-  for (const std::string& address : only_address.empty() ? local_addresses()
-                                                         : std::vector<std::string>{}) {
-    addresses += (addresses.empty() ? "" : ",") + address;
-  }
-  endpoint_ = addresses + ":" + std::to_string(ntohs(any.sin_port));
+PeerLiveness::PeerLiveness(const std::string& only_address) : token_(random_token()) {
+  const std::vector<std::string> addresses =
+      only_address.empty() ? advertised_addresses() : std::vector<std::string>{only_address};
+  uint16_t port = 0;
+  listeners_ = listen_on(addresses, &port);
+  std::string joined;
+  for (const std::string& address : addresses) joined += (joined.empty() ? "" : ",") + address;
+  endpoint_ = joined + ":" + std::to_string(port);
 }
 
 size_t PeerLiveness::connection_count() {
@@ -167,34 +212,94 @@ size_t PeerLiveness::connection_count() {
   return by_endpoint_.size();
 }
 
-void PeerLiveness::accept_one(Clock::time_point deadline) {
-  pollfd waiter{listener_.get(), POLLIN, 0};
-  if (poll(&waiter, 1, std::min(remaining_ms(deadline), 50)) != 1) return;
-  UniqueFd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
-  if (!fd.valid()) return;
+uint64_t PeerLiveness::refused_connections() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return refused_;
+}
+
+PeerLiveness::Hello PeerLiveness::judge(Pending& pending) {
+  const std::string& got = pending.received;
+  const size_t magic = std::min(got.size(), sizeof(kMagic));
+  if (std::memcmp(got.data(), kMagic, magic) != 0) return Hello::kRefused;
+  const size_t header = sizeof(kMagic) + sizeof(uint32_t);
+  if (got.size() < header) return Hello::kPartial;
   uint32_t length = 0;
-  if (!recv_all(fd.get(), &length, sizeof(length), deadline) || length == 0 || length > 4096) {
-    return;
-  }
-  std::string hello(length, '\0');
-  if (!recv_all(fd.get(), hello.data(), length, deadline)) return;
-  make_liveness_socket(fd.get());
-  if (by_endpoint_.count(hello) != 0) {
-    duplicates_.push_back(std::move(fd));
+  std::memcpy(&length, got.data() + sizeof(kMagic), sizeof(length));
+  if (length == 0 || length > kMaxEndpointBytes) return Hello::kRefused;
+  const size_t total = header + length + kTokenBytes;
+  if (got.size() > total) return Hello::kRefused;  // a peer sends its hello and nothing else
+  if (got.size() < total) return Hello::kPartial;
+  if (got.compare(header + length, kTokenBytes, token_) != 0) return Hello::kRefused;
+  std::string endpoint = got.substr(header, length);
+  make_liveness_socket(pending.fd.get());
+  if (by_endpoint_.count(endpoint) != 0) {
+    duplicates_.push_back(std::move(pending.fd));
   } else {
-    by_endpoint_.emplace(std::move(hello), std::move(fd));
+    by_endpoint_.emplace(std::move(endpoint), std::move(pending.fd));
+  }
+  return Hello::kFiled;
+}
+
+void PeerLiveness::serve(Clock::time_point until) {
+  auto now = Clock::now();
+  // Hellos that did not arrive in time: refused, whatever else is waiting.
+  const auto expired = std::remove_if(pending_.begin(), pending_.end(),
+                                      [&](const Pending& p) { return p.deadline <= now; });
+  refused_ += static_cast<uint64_t>(pending_.end() - expired);
+  pending_.erase(expired, pending_.end());
+
+  std::vector<pollfd> waiters;
+  for (const UniqueFd& listener : listeners_) waiters.push_back({listener.get(), POLLIN, 0});
+  Clock::time_point wake = std::min(until, now + std::chrono::milliseconds(50));
+  for (const Pending& pending : pending_) {
+    waiters.push_back({pending.fd.get(), POLLIN, 0});
+    wake = std::min(wake, pending.deadline);
+  }
+  if (poll(waiters.data(), waiters.size(), remaining_ms(wake)) <= 0) return;
+  now = Clock::now();
+
+  // Read what the pending hellos sent, then accept the newcomers.
+  const size_t first_pending = listeners_.size();
+  std::vector<bool> finished(pending_.size(), false);
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    if (!(waiters[first_pending + i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+    Pending& pending = pending_[i];
+    char chunk[1024];
+    const ssize_t got = recv(pending.fd.get(), chunk, sizeof(chunk), 0);
+    if (got < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    Hello verdict = Hello::kRefused;
+    if (got > 0) {
+      pending.received.append(chunk, static_cast<size_t>(got));
+      verdict = judge(pending);
+    }
+    if (verdict == Hello::kPartial) continue;
+    finished[i] = true;
+    if (verdict == Hello::kRefused) ++refused_;
+  }
+  std::vector<Pending> still;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    if (!finished[i]) still.push_back(std::move(pending_[i]));
+  }
+  pending_ = std::move(still);
+  for (size_t l = 0; l < listeners_.size(); ++l) {
+    if (!(waiters[l].revents & POLLIN)) continue;
+    for (;;) {
+      UniqueFd fd(accept4(listeners_[l].get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+      if (!fd.valid()) break;
+      pending_.push_back(Pending{std::move(fd), now + kHelloDeadline, {}});
+    }
   }
 }
 
-PeerLiveness::Connected PeerLiveness::connect(int rank, const std::vector<std::string>& endpoints,
+PeerLiveness::Connected PeerLiveness::connect(int rank, const std::vector<Address>& peers,
                                               const std::vector<bool>& remote,
                                               std::chrono::milliseconds budget) {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto deadline = Clock::now() + budget;
   // Lower rank connects: the kernel completes the handshake from the
   // listen backlog, so every rank can connect before it accepts.
-  for (int peer = rank + 1; peer < static_cast<int>(endpoints.size()); ++peer) {
-    const std::string& endpoint = endpoints[peer];
+  for (int peer = rank + 1; peer < static_cast<int>(peers.size()); ++peer) {
+    const std::string& endpoint = peers[peer].endpoint;
     if (!remote[peer] || by_endpoint_.count(endpoint) != 0) continue;
     const size_t colon = endpoint.rfind(':');
     const auto port = static_cast<uint16_t>(std::atoi(endpoint.c_str() + colon + 1));
@@ -203,9 +308,8 @@ PeerLiveness::Connected PeerLiveness::connect(int rank, const std::vector<std::s
     for (std::string address; !fd.valid() && std::getline(list, address, ',');) {
       fd = connect_to(address, port, deadline);
     }
-    const auto length = static_cast<uint32_t>(endpoint_.size());
-    if (fd.valid() && send_all(fd.get(), &length, sizeof(length), deadline) &&
-        send_all(fd.get(), endpoint_.data(), endpoint_.size(), deadline)) {
+    const std::string hello = hello_for(endpoint_, peers[peer].token);
+    if (fd.valid() && send_all(fd.get(), hello.data(), hello.size(), deadline)) {
       make_liveness_socket(fd.get());
       by_endpoint_.emplace(endpoint, std::move(fd));
     }
@@ -214,15 +318,15 @@ PeerLiveness::Connected PeerLiveness::connect(int rank, const std::vector<std::s
   // all the same) arrive on the listener.
   auto all_lower_connected = [&] {
     for (int peer = 0; peer < rank; ++peer) {
-      if (remote[peer] && by_endpoint_.count(endpoints[peer]) == 0) return false;
+      if (remote[peer] && by_endpoint_.count(peers[peer].endpoint) == 0) return false;
     }
     return true;
   };
-  while (!all_lower_connected() && Clock::now() < deadline) accept_one(deadline);
+  while (!all_lower_connected() && Clock::now() < deadline) serve(deadline);
   Connected out;
-  for (int peer = 0; peer < static_cast<int>(endpoints.size()); ++peer) {
+  for (int peer = 0; peer < static_cast<int>(peers.size()); ++peer) {
     if (peer == rank || !remote[peer]) continue;
-    const auto found = by_endpoint_.find(endpoints[peer]);
+    const auto found = by_endpoint_.find(peers[peer].endpoint);
     if (found == by_endpoint_.end()) {
       out.missing.push_back(peer);
     } else {

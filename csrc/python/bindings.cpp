@@ -136,6 +136,11 @@ PYBIND11_MODULE(_C, m) {
       "_liveness_connection_count",
       [] { return fsdp_ext::comm::PeerLiveness::of_this_process().connection_count(); },
       "How many peer processes this process holds a liveness connection to.");
+  m.def(
+      "_liveness_refused_connections",
+      [] { return fsdp_ext::comm::PeerLiveness::of_this_process().refused_connections(); },
+      "How many connections this process's liveness listener closed unfiled: no\n"
+      "valid hello (magic, endpoint, this process's token) within its deadline.");
 
   // The benchmark's physical references (comm/memory_limits.h).
   m.def("_concurrent_peer_copy_seconds", &fsdp_ext::comm::concurrent_peer_copy_seconds,

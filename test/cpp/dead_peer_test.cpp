@@ -1,12 +1,17 @@
 // Dead-peer detection without torch: EngineWakeup's pidfd and socket
 // watches, and PeerLiveness connections over loopback.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 
 #include "comm/engine_wakeup.h"
@@ -111,7 +116,7 @@ TEST(PeerLiveness, LoopbackPairConnectsAndAClosedEndIsReported) {
   // Two registries stand for two processes; loopback is their "network".
   PeerLiveness first("127.0.0.1");
   auto second = std::make_unique<PeerLiveness>("127.0.0.1");
-  const std::vector<std::string> endpoints = {first.endpoint(), second->endpoint()};
+  const std::vector<PeerLiveness::Address> endpoints = {first.address(), second->address()};
   const std::vector<bool> remote = {true, true};
   PeerLiveness::Connected theirs;
   std::thread higher([&] { theirs = second->connect(1, endpoints, remote, std::chrono::seconds(5)); });
@@ -145,7 +150,7 @@ TEST(PeerLiveness, LaterGroupsShareTheConnectionOfAPairOfProcesses) {
     const bool swapped = group == 1;
     PeerLiveness& low = swapped ? second : first;
     PeerLiveness& high = swapped ? first : second;
-    const std::vector<std::string> endpoints = {low.endpoint(), high.endpoint()};
+    const std::vector<PeerLiveness::Address> endpoints = {low.address(), high.address()};
     PeerLiveness::Connected high_side;
     std::thread higher([&] { high_side = high.connect(1, endpoints, remote, std::chrono::seconds(5)); });
     const PeerLiveness::Connected low_side = low.connect(0, endpoints, remote, std::chrono::seconds(5));
@@ -164,16 +169,113 @@ TEST(PeerLiveness, LaterGroupsShareTheConnectionOfAPairOfProcesses) {
 TEST(PeerLiveness, AnUnreachablePeerIsMissingNotAnError) {
   PeerLiveness lone("127.0.0.1");
   // Port 1 on loopback: refused at once.
-  const std::vector<std::string> endpoints = {"127.0.0.1:1", lone.endpoint()};
+  const std::vector<PeerLiveness::Address> endpoints = {{"127.0.0.1:1", "?"}, lone.address()};
   const std::vector<bool> remote = {true, true};
   // Expects rank 0 to connect, which never happens.
   EXPECT_EQ(lone.connect(1, endpoints, remote, std::chrono::milliseconds(300)).missing,
             std::vector<int>{0});
   PeerLiveness caller("127.0.0.1");
-  EXPECT_EQ(caller.connect(0, {caller.endpoint(), "127.0.0.1:1"}, remote,
+  EXPECT_EQ(caller.connect(0, {caller.address(), {"127.0.0.1:1", "?"}}, remote,
                            std::chrono::milliseconds(300)).missing,
             std::vector<int>{1});
   EXPECT_EQ(caller.connection_count(), 0u);
+}
+
+// A raw TCP client of a PeerLiveness listener on loopback, as anything on
+// the network could open one: it sends `bytes` (maybe nothing) and stays
+// open until destroyed.
+struct StrayClient {
+  int fd = -1;
+  StrayClient(const std::string& endpoint, const std::string& bytes) {
+    const auto port = static_cast<uint16_t>(std::stoi(endpoint.substr(endpoint.rfind(':') + 1)));
+    fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in target{};
+    target.sin_family = AF_INET;
+    target.sin_port = htons(port);
+    inet_pton(AF_INET, "127.0.0.1", &target.sin_addr);
+    EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&target), sizeof(target)), 0);
+    if (!bytes.empty()) EXPECT_EQ(send(fd, bytes.data(), bytes.size(), 0), ssize_t(bytes.size()));
+  }
+  ~StrayClient() { close(fd); }
+};
+
+// The wire format of a hello (peer_liveness.cpp), for forging one.
+std::string hello(const std::string& endpoint, const std::string& token) {
+  std::string out = "fsdpxlv1";
+  const auto length = static_cast<uint32_t>(endpoint.size());
+  out.append(reinterpret_cast<const char*>(&length), sizeof(length));
+  return out + endpoint + token;
+}
+
+TEST(PeerLiveness, StrayConnectionsNeitherDelayNorImpersonateAPeer) {
+  PeerLiveness listener("127.0.0.1");  // rank 1: accepts
+  auto peer = std::make_unique<PeerLiveness>("127.0.0.1");  // rank 0: connects
+  // Queued before the real peer: a silent client (a health check, a half-open
+  // scan), a forged hello (the real peer's endpoint, a wrong token), garbage,
+  // and a hello whose length no hello has.
+  StrayClient silent(listener.endpoint(), "");
+  auto forged = std::make_unique<StrayClient>(listener.endpoint(),
+                                              hello(peer->endpoint(), std::string(32, '0')));
+  StrayClient garbage(listener.endpoint(), "GET / HTTP/1.0\r\n\r\n");
+  std::string huge = "fsdpxlv1";
+  const uint32_t length = 1u << 30;
+  huge.append(reinterpret_cast<const char*>(&length), sizeof(length));
+  StrayClient oversized(listener.endpoint(), huge);
+
+  const std::vector<PeerLiveness::Address> peers = {peer->address(), listener.address()};
+  const std::vector<bool> remote = {true, true};
+  const auto start = Clock::now();
+  PeerLiveness::Connected mine;
+  std::thread higher([&] { mine = listener.connect(1, peers, remote, std::chrono::seconds(10)); });
+  const PeerLiveness::Connected theirs = peer->connect(0, peers, remote, std::chrono::seconds(10));
+  higher.join();
+  const auto took = Clock::now() - start;
+  // Not held up by the silent client's hello deadline (1 s), nor anything else.
+  EXPECT_LT(took, std::chrono::milliseconds(500));
+  ASSERT_TRUE(mine.missing.empty());
+  ASSERT_EQ(mine.connections.size(), 1u);
+  EXPECT_EQ(theirs.connections.size(), 1u);
+  // The forged, garbage and oversized ones are refused as soon as they are read.
+  EXPECT_GE(listener.refused_connections(), 3u);
+
+  QuietFd worker;
+  EngineWakeup wakeup(worker.fds[0]);
+  wakeup.watch_socket(0, mine.connections[0].socket);
+  // The forged client leaving is not the peer leaving: the watched
+  // connection is the peer's own.
+  forged.reset();
+  wakeup.sleep(Clock::now() + std::chrono::milliseconds(50), false);
+  EXPECT_TRUE(wakeup.take_lost_peers().empty());
+  peer.reset();
+  const auto lost = sleep_until_lost(wakeup, std::chrono::seconds(5));
+  ASSERT_EQ(lost.size(), 1u);
+  EXPECT_EQ(lost[0].rank, 0);
+}
+
+TEST(PeerLiveness, ASilentClientIsRefusedAtItsHelloDeadline) {
+  PeerLiveness listener("127.0.0.1");
+  StrayClient silent(listener.endpoint(), "");
+  const std::vector<bool> remote = {true, true};
+  // Waits (for a rank 0 that never comes) long enough to see the deadline pass.
+  listener.connect(1, {{"127.0.0.1:1", "?"}, listener.address()}, remote,
+                   PeerLiveness::kHelloDeadline + std::chrono::milliseconds(300));
+  EXPECT_EQ(listener.refused_connections(), 1u);
+  EXPECT_EQ(listener.connection_count(), 0u);
+}
+
+TEST(PeerLiveness, TheListenerBindsOnlyTheAddressItAdvertises) {
+  PeerLiveness listener("127.0.0.1");
+  const std::string& endpoint = listener.endpoint();
+  ASSERT_EQ(endpoint.rfind("127.0.0.1:", 0), 0u) << endpoint;
+  // 127.0.0.2 is loopback too: a listener on every interface would take it.
+  const auto port = static_cast<uint16_t>(std::stoi(endpoint.substr(endpoint.rfind(':') + 1)));
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in other{};
+  other.sin_family = AF_INET;
+  other.sin_port = htons(port);
+  inet_pton(AF_INET, "127.0.0.2", &other.sin_addr);
+  EXPECT_NE(::connect(fd, reinterpret_cast<sockaddr*>(&other), sizeof(other)), 0);
+  close(fd);
 }
 
 }  // namespace

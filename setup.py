@@ -17,6 +17,10 @@ which is also a dependency of the package: the one installed in this
 environment, or, where none is yet (pip installs dependencies after building),
 the wheel fetched into build/ for its headers. FSDP_EXT_UCX=system or =wheel
 insists on one (cmake/ucx.cmake).
+
+CUDA: the CUDA parts are built when torch is a CUDA build and CMake finds a
+CUDA compiler (nvcc on PATH); FSDP_EXT_CUDA=ON requires them, =OFF leaves them
+out (cmake/cuda.cmake; CUDAARCHS picks the GPU architectures, default 90).
 """
 
 import glob
@@ -67,6 +71,8 @@ class CMakeBuild(build_ext):
             "-DFSDP_EXT_BUILD_EXTENSION=ON",
             "-DFSDP_EXT_BUILD_TESTS=OFF",
             *_ucx_cmake_arguments(),
+            # FSDP_EXT_CUDA=AUTO|ON|OFF: the CUDA parts (cmake/cuda.cmake).
+            f"-DFSDP_EXT_CUDA={os.environ.get('FSDP_EXT_CUDA', 'AUTO')}",
             # CMake writes the module straight to where setuptools expects it.
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={os.path.dirname(output)}",
         ]

@@ -465,6 +465,8 @@ def main():
     parser.add_argument("--ranks-per-host", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--netem-rate-mbit", type=int, default=None)
     parser.add_argument("--netem-delay-ms", type=float, default=None)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: CUDA tensors, every rank on the one GPU (_cuda_collectives.py)")
     parser.add_argument("--torchrun-worker", metavar="RESULT_FILE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = sizes_between(args.min_bytes, args.max_bytes)
@@ -475,6 +477,12 @@ def main():
     if args.torchrun_worker:
         return _torchrun_worker(args.ops, sizes, args.repeats, args.torchrun_worker)
     results_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    if args.device == "cuda":
+        import _cuda_collectives
+
+        output = args.output or os.path.join(results_dir, "collectives_cuda.json")
+        os.makedirs(os.path.dirname(output), exist_ok=True)
+        return _cuda_collectives.run(args.world_sizes, args.ops, sizes, args.repeats, output)
     if args.output is None:
         name = "collectives.json" if args.hosts == 1 else "collectives_2hosts.json"
         args.output = os.path.join(results_dir, name)

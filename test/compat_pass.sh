@@ -5,12 +5,16 @@
 # build/compat/ (the main tree's in-place _C stays the one `make` built).
 #
 #   2.11.0  PyPI's CUDA build (the GPU machine's torch): built in place with
-#           setup.py, against the system's UCX when there is one;
-#   2.14.1  PyPI's CUDA build, installed as a new user would: a venv with only
-#           torch, `pip install --no-build-isolation .` with the system's UCX
-#           ignored (FSDP_EXT_UCX=wheel: UCX then comes from PyPI's libucx
-#           wheel), the source package removed from the copy so that only the
-#           installed one can be imported, a 2-rank smoke run
+#           setup.py, against the system's UCX when there is one, with the
+#           CUDA parts (FSDP_EXT_CUDA=ON where nvcc is on PATH: it compiles
+#           and links them here; test/test_cuda.py then skips, as this machine
+#           has no GPU);
+#   2.14.1  PyPI's CUDA build, installed as a new user without a CUDA toolkit
+#           would: a venv with only torch, `pip install --no-build-isolation .`
+#           with the system's UCX ignored (FSDP_EXT_UCX=wheel: UCX then comes
+#           from PyPI's libucx wheel) and no CUDA compiler used
+#           (FSDP_EXT_CUDA=OFF), the source package removed from the copy so
+#           that only the installed one can be imported, a 2-rank smoke run
 #           (test/smoke_installed.py).
 #
 # Then each runs the pytest suite's fast core (COMPAT_TESTS). Neither torch
@@ -25,7 +29,7 @@ PYTHON=${PYTHON:-python3}
 # errors, the collectives against gloo.
 COMPAT_TESTS=(test/test_drop_in.py test/test_fully_shard_api.py test/test_fully_shard_surface.py
               test/test_fully_shard_training.py test/test_training.py test/test_errors.py
-              test/test_collectives.py)
+              test/test_collectives.py test/test_cuda.py)
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} UCX_TLS=${UCX_TLS:-self,sm,tcp}
 export UCX_LOG_LEVEL=${UCX_LOG_LEVEL:-error}
 
@@ -61,7 +65,15 @@ run_core_tests() {
 pass_in_place() {  # build with setup.py in the copy, as `make build` does
   local version=$1 venv=$2 src=$3
   "$venv/bin/python" -m pip install -q ninja setuptools wheel
-  (cd "$src" && PATH=/usr/lib/ccache:$PATH MAX_JOBS=2 "$venv/bin/python" setup.py -q build_ext --inplace)
+  # The CUDA parts are required where this machine has nvcc (it does here and
+  # in CI); elsewhere the pass says so and builds without them.
+  local cuda=ON
+  if ! command -v nvcc >/dev/null && [ -z "${CUDACXX:-}" ]; then
+    cuda=AUTO
+    echo "compat $version: no nvcc on PATH (nor CUDACXX): built without the CUDA parts"
+  fi
+  (cd "$src" && PATH=/usr/lib/ccache:$PATH MAX_JOBS=2 FSDP_EXT_CUDA=$cuda \
+     "$venv/bin/python" setup.py -q build_ext --inplace)
   echo "$src" > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch_fsdp_ext_dev.pth"
   run_core_tests "$venv" "$src"
 }
@@ -69,7 +81,7 @@ pass_in_place() {  # build with setup.py in the copy, as `make build` does
 pass_pip_alone() {  # a venv with only torch; pip install as a user would, no system UCX
   local version=$1 venv=$2 src=$3
   "$venv/bin/python" -m pip uninstall -q -y torch_fsdp_ext libucx-cu13 libucx-cu12 2>/dev/null || true
-  (cd "$src" && PATH=/usr/lib/ccache:$PATH MAX_JOBS=2 FSDP_EXT_UCX=wheel \
+  (cd "$src" && PATH=/usr/lib/ccache:$PATH MAX_JOBS=2 FSDP_EXT_UCX=wheel FSDP_EXT_CUDA=OFF \
      "$venv/bin/python" -m pip install -q --no-build-isolation .)
   # Only the installed package can be imported from here on.
   rm -rf "$src/torch_fsdp_ext"

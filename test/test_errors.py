@@ -311,6 +311,8 @@ def check_bad_environment(ctx, variable, value):
     ("FSDP_EXT_WAIT_SPIN_US", "-5", "FSDP_EXT_WAIT_SPIN_US='-5' is not valid"),
     ("FSDP_EXT_SHARED_MEMORY", "no", "FSDP_EXT_SHARED_MEMORY='no' is not valid; expected 0 "
      "(off) or 1 (on)"),
+    ("FSDP_EXT_CUDA_PATH", "nvlink", "FSDP_EXT_CUDA_PATH='nvlink' is not valid; expected one of "
+     "auto, ipc, nccl, staged"),
     ("FSDP_EXT_SHARED_MEMROY", "0", "unknown variable FSDP_EXT_SHARED_MEMROY in the "
      "environment; the backend reads FSDP_EXT_SPIN_US, FSDP_EXT_WAIT_SPIN_US, "
      "FSDP_EXT_SHARED_MEMORY"),

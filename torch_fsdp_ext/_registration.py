@@ -2,9 +2,10 @@
 
 import atexit
 
+import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _build_info, _C
 
 BACKEND_NAME = "fsdp_ext"
 
@@ -17,7 +18,27 @@ def _create_backend(dist_backend_opts, backend_options):
         dist_backend_opts.group_size,
         dist_backend_opts.timeout,  # a timedelta
         str(dist_backend_opts.group_id),
+        _nccl_factory(dist_backend_opts),
     )
+
+
+def _nccl_factory(dist_backend_opts):
+    """How the group's CUDA path makes torch's own NCCL group over the same
+    ranks, when its ranks have GPUs of their own (backend/cuda/cuda_path.hpp):
+    called at the group's first CUDA op, if ever. None where this build or
+    this torch has no CUDA or no NCCL."""
+    if not (_build_info.WITH_CUDA and torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+    store = dist.PrefixStore("fsdp_ext/nccl/", dist_backend_opts.store)
+    rank, size = dist_backend_opts.group_rank, dist_backend_opts.group_size
+    timeout = dist_backend_opts.timeout
+
+    def make():
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+
+    return make
 
 
 def register_backend() -> None:
@@ -25,7 +46,8 @@ def register_backend() -> None:
     if BACKEND_NAME in dist.Backend.backend_list:
         return
     # One name for every device: CPU tensors take the UCX path, CUDA tensors
-    # get a clear error until the NCCL path exists.
+    # the group's CUDA path (NCCL, CUDA IPC or staged through host memory);
+    # a build without CUDA refuses them with a clear error.
     dist.Backend.register_backend(
         BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]
     )

@@ -17,9 +17,18 @@ void FsdpExtBackend::startCoalescing() {
   coalesced_timeout_ = default_timeout_;
 }
 
+// Note [CUDA ops in a coalescing batch]
+// dist._coalescing_manager(device=cuda) opens a batch, then issues its
+// captured ops as one coalesced call (all_reduce_coalesced, ...) before
+// closing it, and waits on what endCoalescing returns. A CUDA op inside the
+// batch runs at once (run_on_cuda); every CUDA op of a group runs on one
+// stream, in issue order (torch's NCCL group's ops on its own, in order), so
+// the last one's Work orders the caller after all of them, and is the batch's.
+// A batch that mixes CPU and CUDA ops is refused.
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::endCoalescing() {
   std::vector<CoalescedOp> members;
   std::vector<at::Tensor> tensors;
+  std::vector<WorkPtr> cuda_works;
   std::chrono::milliseconds timeout;
   {
     std::lock_guard<std::mutex> lock(coalescing_mutex_);
@@ -30,7 +39,14 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::endCoalescing() {
     coalesced_ops_.clear();
     tensors = std::move(coalesced_tensors_);
     coalesced_tensors_.clear();
+    cuda_works = std::move(coalesced_cuda_works_);
+    coalesced_cuda_works_.clear();
     timeout = coalesced_timeout_;
+  }
+  if (!cuda_works.empty()) {
+    TORCH_CHECK_NOT_IMPLEMENTED(members.empty(), label("end_coalescing").prefix(),
+                                "a coalescing batch of both CPU and CUDA tensors");
+    return cuda_works.back();
   }
   const bool any_collective = std::any_of(members.begin(), members.end(),
                                           [](const CoalescedOp& m) { return m.collective; });

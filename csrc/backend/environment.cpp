@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string_view>
 
 extern char** environ;
@@ -17,9 +18,9 @@ namespace {
 
 // The backend's own variables; the FSDP_EXT_*_ALGO ones are listed where
 // they are parsed (comm::kForcedAlgorithmVariables).
-constexpr std::array<const char*, 5> kBackendVariables = {
+constexpr std::array<const char*, 6> kBackendVariables = {
     "FSDP_EXT_SPIN_US", "FSDP_EXT_WAIT_SPIN_US", "FSDP_EXT_SHARED_MEMORY",
-    "FSDP_EXT_PROCESS_READS", "FSDP_EXT_SMALL_OPS"};
+    "FSDP_EXT_PROCESS_READS", "FSDP_EXT_SMALL_OPS", "FSDP_EXT_CUDA_PATH"};
 
 // Calls `visit` with every variable the backend reads.
 template <typename Visit>
@@ -57,6 +58,21 @@ bool switch_on(const char* variable, const std::string& where) {
   return std::strcmp(value, "1") == 0;
 }
 
+// One of `accepted` (the first is the default, taken when unset).
+std::string one_of(const char* variable, std::initializer_list<const char*> accepted,
+                   const std::string& where) {
+  const char* value = std::getenv(variable);
+  if (value == nullptr || value[0] == '\0') return *accepted.begin();
+  std::string names;
+  for (const char* name : accepted) {
+    if (std::strcmp(value, name) == 0) return value;
+    names += (names.empty() ? "" : ", ") + std::string(name);
+  }
+  TORCH_CHECK_VALUE(false, where, variable, "='", value, "' is not valid; expected one of ",
+                    names);
+  return "";
+}
+
 }  // namespace
 
 BackendEnvironment read_environment(const std::string& where) {
@@ -81,6 +97,7 @@ BackendEnvironment read_environment(const std::string& where) {
   out.shared_memory = switch_on("FSDP_EXT_SHARED_MEMORY", where);
   out.process_reads = switch_on("FSDP_EXT_PROCESS_READS", where);
   out.small_ops = switch_on("FSDP_EXT_SMALL_OPS", where);
+  out.cuda_path = one_of("FSDP_EXT_CUDA_PATH", {"auto", "ipc", "nccl", "staged"}, where);
   return out;
 }
 

@@ -10,6 +10,8 @@
 //   FSDP_EXT_PROCESS_READS      0: never process_vm_readv a peer; stage instead
 //   FSDP_EXT_SMALL_OPS          0: small collectives go through the engine and UCX
 //                               too, not the small-op channel
+//   FSDP_EXT_CUDA_PATH          auto, ipc, nccl or staged: how CUDA tensors move
+//                               (backend/cuda/cuda_path.hpp; auto decides per group)
 //   FSDP_EXT_{ALLGATHER,REDUCE_SCATTER,ALLREDUCE,BROADCAST}_ALGO
 //                               auto, direct, ring or shm (comm/algorithm_selection.h;
 //                               read per op there, so tests can switch them)
@@ -25,6 +27,7 @@ struct BackendEnvironment {
   bool shared_memory = true;
   bool process_reads = true;
   bool small_ops = true;
+  std::string cuda_path = "auto";
 };
 
 // Reads and validates every FSDP_EXT_* variable; throws c10::ValueError

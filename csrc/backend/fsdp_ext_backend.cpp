@@ -159,6 +159,21 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::broadcast(std::vector<at::Tensor>
   check_rank(l, opts.rootRank, "root");
   at::Tensor tensor = tensors[0];
   const int root = static_cast<int>(opts.rootRank);
+  if (CudaCollectives* cuda = cuda_route(l, tensors)) {
+    CudaOp op;
+    op.kind = CudaOp::Kind::kBroadcast;
+    op.inputs = op.outputs = {tensor};
+    op.root = root;
+    op.timeout = resolve_timeout(opts.timeout);
+    op.on_host = [this, opts](std::vector<at::Tensor>& in, std::vector<at::Tensor>&) {
+      return broadcast(in, opts);
+    };
+    op.on_nccl = [tensor, opts](c10d::Backend& nccl) {
+      std::vector<at::Tensor> t{tensor};
+      return nccl.broadcast(t, opts);
+    };
+    return run_on_cuda(*cuda, l, std::move(op));
+  }
   if (use_small_ops(tensor.nbytes(), "FSDP_EXT_BROADCAST_ALGO")) {
     return run_small(
         l, c10d::OpType::BROADCAST, "fsdp_ext:broadcast", resolve_timeout(opts.timeout),
@@ -184,6 +199,21 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allreduce(std::vector<at::Tensor>
   check_tensor(l, tensors[0], "tensor");
   at::Tensor tensor = tensors[0];
   const comm::ReduceSpec spec = reduce_spec(l, opts.reduceOp, tensor.scalar_type(), size_);
+  if (CudaCollectives* cuda = cuda_route(l, tensors)) {
+    CudaOp op;
+    op.kind = CudaOp::Kind::kAllreduce;
+    op.inputs = op.outputs = {tensor};
+    op.spec = spec;
+    op.timeout = resolve_timeout(opts.timeout);
+    op.on_host = [this, opts](std::vector<at::Tensor>& in, std::vector<at::Tensor>&) {
+      return allreduce(in, opts);
+    };
+    op.on_nccl = [tensor, opts](c10d::Backend& nccl) {
+      std::vector<at::Tensor> t{tensor};
+      return nccl.allreduce(t, opts);
+    };
+    return run_on_cuda(*cuda, l, std::move(op));
+  }
   if (use_small_ops(tensor.nbytes(), "FSDP_EXT_ALLREDUCE_ALGO")) {
     return run_small(
         l, c10d::OpType::ALLREDUCE, "fsdp_ext:all_reduce", resolve_timeout(opts.timeout),
@@ -211,6 +241,25 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allreduce_coalesced(
     bucket.allreduce.push_back(
         {span_of(tensor), reduce_spec(l, opts.reduceOp, tensor.scalar_type(), size_)});
   }
+  if (CudaCollectives* cuda = cuda_route(l, tensors)) {
+    // The fast routes reduce a bucket of one dtype; others are staged.
+    const bool one_dtype = std::all_of(tensors.begin(), tensors.end(), [&](const at::Tensor& t) {
+      return t.scalar_type() == tensors[0].scalar_type();
+    });
+    CudaOp op;
+    op.kind = one_dtype ? CudaOp::Kind::kAllreduce : CudaOp::Kind::kOther;
+    op.inputs = op.outputs = tensors;
+    op.spec = bucket.allreduce.front().spec;
+    op.timeout = resolve_timeout(opts.timeout);
+    op.on_host = [this, opts](std::vector<at::Tensor>& in, std::vector<at::Tensor>&) {
+      return allreduce_coalesced(in, opts);
+    };
+    std::vector<at::Tensor> all = tensors;
+    op.on_nccl = [all, opts](c10d::Backend& nccl) mutable {
+      return nccl.allreduce_coalesced(all, opts);
+    };
+    return run_on_cuda(*cuda, l, std::move(op));
+  }
   return enqueue_bucket(l, c10d::OpType::ALLREDUCE_COALESCED, "fsdp_ext:all_reduce_coalesced",
                         resolve_timeout(opts.timeout), tensors, {}, std::move(bucket));
 }
@@ -224,6 +273,19 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::reduce(std::vector<at::Tensor>& t
   at::Tensor tensor = tensors[0];
   const comm::ReduceSpec spec = reduce_spec(l, opts.reduceOp, tensor.scalar_type(), size_);
   const int root = static_cast<int>(opts.rootRank);
+  if (CudaCollectives* cuda = cuda_route(l, tensors)) {
+    CudaOp op;
+    op.inputs = op.outputs = {tensor};
+    op.timeout = resolve_timeout(opts.timeout);
+    op.on_host = [this, opts](std::vector<at::Tensor>& in, std::vector<at::Tensor>&) {
+      return reduce(in, opts);
+    };
+    op.on_nccl = [tensor, opts](c10d::Backend& nccl) {
+      std::vector<at::Tensor> t{tensor};
+      return nccl.reduce(t, opts);
+    };
+    return run_on_cuda(*cuda, l, std::move(op));
+  }
   return enqueue(l, c10d::OpType::REDUCE, "fsdp_ext:reduce", true,
                  resolve_timeout(opts.timeout), {tensor}, {},
                  [tensor, spec, root](comm::OpContext& context) {
@@ -245,6 +307,24 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allgather(
               "the output for this rank must match the input");
   at::Tensor input = inputs[0];
   std::vector<at::Tensor> list = outputs[0];
+  std::vector<at::Tensor> all = list;
+  all.push_back(input);
+  if (CudaCollectives* cuda = cuda_route(l, all)) {
+    CudaOp op;
+    op.inputs = {input};
+    op.outputs = list;
+    op.timeout = resolve_timeout(opts.timeout);
+    op.on_host = [this, opts](std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      std::vector<std::vector<at::Tensor>> lists{out};
+      return allgather(lists, in, opts);
+    };
+    op.on_nccl = [input, list, opts](c10d::Backend& nccl) {
+      std::vector<std::vector<at::Tensor>> lists{list};
+      std::vector<at::Tensor> in{input};
+      return nccl.allgather(lists, in, opts);
+    };
+    return run_on_cuda(*cuda, l, std::move(op));
+  }
   const bool even = std::all_of(list.begin(), list.end(), [&](const at::Tensor& output) {
     return output.nbytes() == input.nbytes();
   });
@@ -272,13 +352,32 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   const OpLabel l = label("all_gather_into_tensor");
   check_gather_into_tensor(l, output, input, "");
+  if (CudaCollectives* cuda = cuda_route(l, {output, input})) {
+    CudaOp op;
+    op.kind = CudaOp::Kind::kAllgather;
+    op.inputs = {input};
+    op.outputs = {output};
+    op.timeout = resolve_timeout(opts.timeout);
+    op.on_host = [this, opts](std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      return _allgather_base(out[0], in[0], opts);
+    };
+    op.on_nccl = [output, input, opts](c10d::Backend& nccl) mutable {
+      return nccl._allgather_base(output, input, opts);
+    };
+    return run_on_cuda(*cuda, l, std::move(op));
+  }
+  return allgather_into_tensor(l, output, input, resolve_timeout(opts.timeout));
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allgather_into_tensor(
+    const OpLabel& l, at::Tensor& output, at::Tensor& input, std::chrono::milliseconds timeout) {
   if (use_small_ops(input.nbytes(), "FSDP_EXT_ALLGATHER_ALGO")) {
     at::Tensor in = input;
     at::Tensor out = output;
     const int parts = size_;
     return run_small(
-        l, c10d::OpType::_ALLGATHER_BASE, "fsdp_ext:all_gather_into_tensor",
-        resolve_timeout(opts.timeout), {out}, {in},
+        l, c10d::OpType::_ALLGATHER_BASE, "fsdp_ext:all_gather_into_tensor", timeout, {out},
+        {in},
         [in](comm::SmallOpChannel& channel, uint64_t seq) {
           comm::start_small_allgather(channel, seq, const_span_of(in));
         },
@@ -289,7 +388,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::_allgather_base(
   BucketMembers bucket;
   bucket.allgather.push_back({const_span_of(input), split_evenly(output, size_)});
   return enqueue_bucket(l, c10d::OpType::_ALLGATHER_BASE, "fsdp_ext:all_gather_into_tensor",
-                        resolve_timeout(opts.timeout), {output}, {input}, std::move(bucket));
+                        timeout, {output}, {input}, std::move(bucket));
 }
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allgather_into_tensor_coalesced(
@@ -299,6 +398,22 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allgather_into_tensor_coalesced(
   check_count(l, outputs.size(), inputs.size(), "output tensors (one per input)");
   for (size_t i = 0; i < inputs.size(); ++i) {
     check_gather_into_tensor(l, outputs[i], inputs[i], " " + std::to_string(i));
+  }
+  std::vector<at::Tensor> all = inputs;
+  all.insert(all.end(), outputs.begin(), outputs.end());
+  if (CudaCollectives* cuda = cuda_route(l, all)) {
+    CudaOp op;
+    op.kind = CudaOp::Kind::kAllgather;
+    op.inputs = inputs;
+    op.outputs = outputs;
+    op.timeout = resolve_timeout(opts.timeout);
+    op.on_host = [this, opts](std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      return allgather_into_tensor_coalesced(out, in, opts);
+    };
+    op.on_nccl = [outputs, inputs, opts](c10d::Backend& nccl) mutable {
+      return nccl.allgather_into_tensor_coalesced(outputs, inputs, opts);
+    };
+    return run_on_cuda(*cuda, l, std::move(op));
   }
   size_t total = 0;
   for (const at::Tensor& input : inputs) total += input.nbytes();
@@ -337,6 +452,24 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::gather(
   const std::vector<at::Tensor> list =
       root_tensor_list(l, outputs, root, inputs[0], "output", "input");
   at::Tensor input = inputs[0];
+  std::vector<at::Tensor> all = list;
+  all.push_back(input);
+  if (CudaCollectives* cuda = cuda_route(l, all)) {
+    CudaOp op;
+    op.inputs = {input};
+    op.outputs = list;
+    op.timeout = resolve_timeout(opts.timeout);
+    op.on_host = [this, opts](std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      std::vector<std::vector<at::Tensor>> lists;
+      if (!out.empty()) lists.push_back(out);
+      return gather(lists, in, opts);
+    };
+    op.on_nccl = [outputs, input, opts](c10d::Backend& nccl) mutable {
+      std::vector<at::Tensor> in{input};
+      return nccl.gather(outputs, in, opts);
+    };
+    return run_on_cuda(*cuda, l, std::move(op));
+  }
   return enqueue(l, c10d::OpType::GATHER, "fsdp_ext:gather", true,
                  resolve_timeout(opts.timeout), list, {input},
                  [input, list, root](comm::OpContext& context) {
@@ -357,6 +490,24 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::scatter(
   const std::vector<at::Tensor> list =
       root_tensor_list(l, inputs, root, outputs[0], "input", "output");
   at::Tensor output = outputs[0];
+  std::vector<at::Tensor> all = list;
+  all.push_back(output);
+  if (CudaCollectives* cuda = cuda_route(l, all)) {
+    CudaOp op;
+    op.inputs = list;
+    op.outputs = {output};
+    op.timeout = resolve_timeout(opts.timeout);
+    op.on_host = [this, opts](std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      std::vector<std::vector<at::Tensor>> lists;
+      if (!in.empty()) lists.push_back(in);
+      return scatter(out, lists, opts);
+    };
+    op.on_nccl = [output, inputs, opts](c10d::Backend& nccl) mutable {
+      std::vector<at::Tensor> out{output};
+      return nccl.scatter(out, inputs, opts);
+    };
+    return run_on_cuda(*cuda, l, std::move(op));
+  }
   return enqueue(l, c10d::OpType::SCATTER, "fsdp_ext:scatter", true,
                  resolve_timeout(opts.timeout), {output}, list,
                  [output, list, root](comm::OpContext& context) {
@@ -381,6 +532,24 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::reduce_scatter(
   at::Tensor output = outputs[0];
   std::vector<at::Tensor> list = inputs[0];
   const comm::ReduceSpec spec = reduce_spec(l, opts.reduceOp, output.scalar_type(), size_);
+  std::vector<at::Tensor> all = list;
+  all.push_back(output);
+  if (CudaCollectives* cuda = cuda_route(l, all)) {
+    CudaOp op;
+    op.inputs = list;
+    op.outputs = {output};
+    op.timeout = resolve_timeout(opts.timeout);
+    op.on_host = [this, opts](std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      std::vector<std::vector<at::Tensor>> lists{in};
+      return reduce_scatter(out, lists, opts);
+    };
+    op.on_nccl = [output, list, opts](c10d::Backend& nccl) {
+      std::vector<at::Tensor> out{output};
+      std::vector<std::vector<at::Tensor>> lists{list};
+      return nccl.reduce_scatter(out, lists, opts);
+    };
+    return run_on_cuda(*cuda, l, std::move(op));
+  }
   BucketMembers bucket;
   bucket.reduce_scatter.push_back({{}, span_of(output), spec});
   for (const at::Tensor& input : list) {
@@ -395,6 +564,21 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::_reduce_scatter_base(
   const OpLabel l = label("reduce_scatter_tensor");
   check_scatter_from_tensor(l, output, input, "");
   const comm::ReduceSpec spec = reduce_spec(l, opts.reduceOp, output.scalar_type(), size_);
+  if (CudaCollectives* cuda = cuda_route(l, {output, input})) {
+    CudaOp op;
+    op.kind = CudaOp::Kind::kReduceScatter;
+    op.inputs = {input};
+    op.outputs = {output};
+    op.spec = spec;
+    op.timeout = resolve_timeout(opts.timeout);
+    op.on_host = [this, opts](std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      return _reduce_scatter_base(out[0], in[0], opts);
+    };
+    op.on_nccl = [output, input, opts](c10d::Backend& nccl) mutable {
+      return nccl._reduce_scatter_base(output, input, opts);
+    };
+    return run_on_cuda(*cuda, l, std::move(op));
+  }
   if (use_small_ops(input.nbytes(), "FSDP_EXT_REDUCE_SCATTER_ALGO")) {
     at::Tensor in = input;
     at::Tensor out = output;
@@ -431,6 +615,24 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::reduce_scatter_tensor_coalesced(
     total += inputs[i].nbytes();
     one_spec = one_spec && outputs[i].scalar_type() == outputs[0].scalar_type();
   }
+  std::vector<at::Tensor> all = inputs;
+  all.insert(all.end(), outputs.begin(), outputs.end());
+  if (CudaCollectives* cuda = cuda_route(l, all)) {
+    CudaOp op;
+    // The fast routes reduce a bucket of one dtype; others are staged.
+    op.kind = one_spec ? CudaOp::Kind::kReduceScatter : CudaOp::Kind::kOther;
+    op.inputs = inputs;
+    op.outputs = outputs;
+    op.spec = bucket.reduce_scatter.front().spec;
+    op.timeout = resolve_timeout(opts.timeout);
+    op.on_host = [this, opts](std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      return reduce_scatter_tensor_coalesced(out, in, opts);
+    };
+    op.on_nccl = [outputs, inputs, opts](c10d::Backend& nccl) mutable {
+      return nccl.reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+    };
+    return run_on_cuda(*cuda, l, std::move(op));
+  }
   if (!inputs.empty() && one_spec && use_small_ops(total, "FSDP_EXT_REDUCE_SCATTER_ALGO")) {
     std::vector<at::Tensor> ins = inputs;
     std::vector<at::Tensor> outs = outputs;
@@ -460,6 +662,21 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::alltoall_base(
   check_same_dtype(l, output, "output", input, "input");
   const auto out_rows = resolve_splits(l, output, output_split_sizes, "output");
   const auto in_rows = resolve_splits(l, input, input_split_sizes, "input");
+  if (CudaCollectives* cuda = cuda_route(l, {output, input})) {
+    CudaOp op;
+    op.inputs = {input};
+    op.outputs = {output};
+    op.timeout = resolve_timeout(opts.timeout);
+    op.on_host = [this, output_split_sizes, input_split_sizes, opts](
+                     std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) mutable {
+      return alltoall_base(out[0], in[0], output_split_sizes, input_split_sizes, opts);
+    };
+    op.on_nccl = [output, input, output_split_sizes, input_split_sizes,
+                  opts](c10d::Backend& nccl) mutable {
+      return nccl.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+    };
+    return run_on_cuda(*cuda, l, std::move(op));
+  }
   at::Tensor in = input;
   at::Tensor out = output;
   return enqueue(l, c10d::OpType::ALLTOALL_BASE, "fsdp_ext:all_to_all_single", true,
@@ -484,6 +701,21 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::alltoall(std::vector<at::Tensor>&
   }
   check_numel(l, outputs[rank_].numel(), inputs[rank_].numel(),
               "the output and input for this rank must match");
+  std::vector<at::Tensor> all = inputs;
+  all.insert(all.end(), outputs.begin(), outputs.end());
+  if (CudaCollectives* cuda = cuda_route(l, all)) {
+    CudaOp op;
+    op.inputs = inputs;
+    op.outputs = outputs;
+    op.timeout = resolve_timeout(opts.timeout);
+    op.on_host = [this, opts](std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      return alltoall(out, in, opts);
+    };
+    op.on_nccl = [outputs, inputs, opts](c10d::Backend& nccl) mutable {
+      return nccl.alltoall(outputs, inputs, opts);
+    };
+    return run_on_cuda(*cuda, l, std::move(op));
+  }
   std::vector<at::Tensor> ins = inputs;
   std::vector<at::Tensor> outs = outputs;
   return enqueue(l, c10d::OpType::ALLTOALL, "fsdp_ext:all_to_all", true,
@@ -519,6 +751,19 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::send(std::vector<at::Tensor>& ten
   check_tensor(l, tensors[0], "tensor");
   check_rank(l, dst_rank, "destination");
   at::Tensor tensor = tensors[0];
+  if (CudaCollectives* cuda = cuda_route(l, tensors)) {
+    CudaOp op;
+    op.inputs = {tensor};
+    op.timeout = default_timeout_;
+    op.on_host = [this, dst_rank, tag](std::vector<at::Tensor>& in, std::vector<at::Tensor>&) {
+      return send(in, dst_rank, tag);
+    };
+    op.on_nccl = [tensor, dst_rank, tag](c10d::Backend& nccl) {
+      std::vector<at::Tensor> t{tensor};
+      return nccl.send(t, dst_rank, tag);
+    };
+    return run_on_cuda(*cuda, l, std::move(op));
+  }
   return enqueue(l, c10d::OpType::SEND, "fsdp_ext:send", false, default_timeout_, {tensor}, {},
                  [tensor, dst_rank, tag](comm::OpContext& context) {
                    context.detach(context.send_user(dst_rank, tag, tensor.data_ptr(),
@@ -533,6 +778,19 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::recv(std::vector<at::Tensor>& ten
   check_tensor(l, tensors[0], "tensor");
   check_rank(l, src_rank, "source");
   at::Tensor tensor = tensors[0];
+  if (CudaCollectives* cuda = cuda_route(l, tensors)) {
+    CudaOp op;
+    op.outputs = {tensor};
+    op.timeout = default_timeout_;
+    op.on_host = [this, src_rank, tag](std::vector<at::Tensor>&, std::vector<at::Tensor>& out) {
+      return recv(out, src_rank, tag);
+    };
+    op.on_nccl = [tensor, src_rank, tag](c10d::Backend& nccl) {
+      std::vector<at::Tensor> t{tensor};
+      return nccl.recv(t, src_rank, tag);
+    };
+    return run_on_cuda(*cuda, l, std::move(op));
+  }
   return enqueue(l, c10d::OpType::RECV, "fsdp_ext:recv", false, default_timeout_, {tensor}, {},
                  [tensor, src_rank, tag](comm::OpContext& context) {
                    context.detach(context.recv_user(src_rank, tag, tensor.data_ptr(),
@@ -546,6 +804,19 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::recvAnysource(std::vector<at::Ten
   check_count(l, tensors.size(), 1, "tensor");
   check_tensor(l, tensors[0], "tensor");
   at::Tensor tensor = tensors[0];
+  if (CudaCollectives* cuda = cuda_route(l, tensors)) {
+    CudaOp op;
+    op.outputs = {tensor};
+    op.timeout = default_timeout_;
+    op.on_host = [this, tag](std::vector<at::Tensor>&, std::vector<at::Tensor>& out) {
+      return recvAnysource(out, tag);
+    };
+    op.on_nccl = [tensor, tag](c10d::Backend& nccl) {
+      std::vector<at::Tensor> t{tensor};
+      return nccl.recvAnysource(t, tag);
+    };
+    return run_on_cuda(*cuda, l, std::move(op));
+  }
   return enqueue(l, c10d::OpType::RECVANYSOURCE, "fsdp_ext:recv_any_source", false,
                  default_timeout_, {tensor}, {}, [tensor, tag](comm::OpContext& context) {
                    context.detach(context.recv_user(-1, tag, tensor.data_ptr(), tensor.nbytes()));

@@ -3,7 +3,8 @@
 // Each method validates its arguments on the calling thread, wraps the
 // tensors as byte spans, and queues one operation on the group's progress
 // engine (comm::ProgressEngine), returning an FsdpExtWork. CPU tensors go over
-// UCX; CUDA tensors are rejected until the NCCL path exists.
+// UCX and shared memory; CUDA tensors go to the group's CUDA path
+// (cuda_collectives.hpp), which builds on this group's CPU transport.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -18,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "backend/cuda_collectives.hpp"
 #include "backend/fsdp_ext_work.hpp"
 #include "backend/op_label.hpp"
 #include "comm/algorithms/algorithms.h"
@@ -31,8 +33,11 @@ namespace fsdp_ext::backend {
 
 class FsdpExtBackend : public c10d::Backend {
  public:
+  // `nccl_factory` (may be empty): makes torch's NCCL group over the same
+  // ranks and store, for CUDA tensors of ranks with GPUs of their own.
   FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                 std::chrono::milliseconds timeout, std::string group_name);
+                 std::chrono::milliseconds timeout, std::string group_name,
+                 NcclFactory nccl_factory = {});
   ~FsdpExtBackend() override;
 
   const std::string getBackendName() const override { return "fsdp_ext"; }
@@ -62,6 +67,7 @@ class FsdpExtBackend : public c10d::Backend {
   }
   const comm::SharedMemoryDomain& shared_memory_domain() const { return *shared_memory_; }
   void setTimeout(std::chrono::milliseconds timeout) override;
+  std::chrono::milliseconds default_timeout() const { return default_timeout_; }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -114,6 +120,15 @@ class FsdpExtBackend : public c10d::Backend {
   void abort() override;
   void shutdown() override;
 
+  // The CUDA path's host side: every rank's `local` bytes (the same length
+  // on every rank), gathered through this group's CPU transport under the
+  // CUDA op's label, so an error or a timeout names that op. Blocks.
+  std::vector<std::vector<uint8_t>> exchange_bytes(const OpLabel& label,
+                                                   const std::vector<uint8_t>& local,
+                                                   std::chrono::milliseconds timeout);
+  // How this group's CUDA ops run ("" before its first CUDA op).
+  std::string cuda_route_description() const;
+
   // Shuts down every live fsdp_ext backend (registered with Python's atexit,
   // so threads and UCX resources are released before interpreter teardown).
   static void shutdown_all();
@@ -134,6 +149,18 @@ class FsdpExtBackend : public c10d::Backend {
   static Body bucket_body(std::shared_ptr<const BucketMembers> members);
 
   OpLabel label(const char* op) const;
+  // The group's CUDA path when `tensors` are CUDA tensors (made at the
+  // group's first CUDA op), nullptr when they are CPU tensors; refuses a mix
+  // of devices, naming both.
+  CudaCollectives* cuda_route(const OpLabel& label, const std::vector<at::Tensor>& tensors);
+  // Runs `op` on the CUDA path. Inside a coalescing batch it runs at once
+  // (its host exchanges and staged CPU ops bypass the batch) and the batch's
+  // Work is its end (Note [CUDA ops in a coalescing batch], coalescing.cpp).
+  WorkPtr run_on_cuda(CudaCollectives& cuda, const OpLabel& label, CudaOp op);
+  // all_gather_into_tensor under a given label (the public op and exchange_bytes).
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor(const OpLabel& label, at::Tensor& output,
+                                                       at::Tensor& input,
+                                                       std::chrono::milliseconds timeout);
   std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds requested) const;
   // How long wait() on an op over these tensors polls (Note [how long a wait
   // polls]): by their bytes, and whether this group spans hosts.
@@ -183,6 +210,13 @@ class FsdpExtBackend : public c10d::Backend {
   std::atomic<uint64_t> small_on_caller_{0};
   std::atomic<uint64_t> small_handed_over_{0};
   std::atomic<uint64_t> small_queued_{0};
+  // CUDA tensors: FSDP_EXT_CUDA_PATH, how to make torch's NCCL group, and
+  // the path itself with its device, made at the first CUDA op.
+  std::string cuda_path_choice_;
+  NcclFactory nccl_factory_;
+  mutable std::mutex cuda_mutex_;
+  std::shared_ptr<CudaCollectives> cuda_;
+  int cuda_device_ = -1;
   std::unique_ptr<comm::ProgressEngine> engine_;
   // After engine_: stopped (in shutdown) and destroyed before it.
   std::unique_ptr<PeerActivityBoard> activity_board_;
@@ -196,15 +230,17 @@ class FsdpExtBackend : public c10d::Backend {
     std::shared_ptr<const BucketMembers> bucket;  // null: not fusible
   };
   static Body coalesced_body(std::shared_ptr<std::vector<CoalescedOp>> members);
-  // Whether ops from this thread join the open batch (coalescing_mutex_ held).
-  bool coalescing_on_this_thread() const {
-    return coalescing_ && std::this_thread::get_id() == coalescing_thread_;
-  }
+  // Whether ops from this thread join the open batch (coalescing_mutex_ held):
+  // not while this thread runs a CUDA op (run_on_cuda), whose own CPU ops
+  // must run, not wait for the batch's end.
+  bool coalescing_on_this_thread() const;
   std::mutex coalescing_mutex_;
   bool coalescing_ = false;
   std::thread::id coalescing_thread_;
   std::vector<CoalescedOp> coalesced_ops_;
   std::vector<at::Tensor> coalesced_tensors_;
+  // The Works of CUDA ops issued inside the open batch, in issue order.
+  std::vector<WorkPtr> coalesced_cuda_works_;
   std::chrono::milliseconds coalesced_timeout_{0};
 };
 

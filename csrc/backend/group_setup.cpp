@@ -181,14 +181,16 @@ std::string describe_transports(comm::OpContext& context, const std::vector<bool
 
 FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                int size, std::chrono::milliseconds timeout,
-                               std::string group_name)
+                               std::string group_name, NcclFactory nccl_factory)
     : c10d::Backend(rank, size),
       default_timeout_(timeout),
-      group_name_(std::move(group_name)) {
+      group_name_(std::move(group_name)),
+      nccl_factory_(std::move(nccl_factory)) {
   const OpLabel init_label = label("init");
   TORCH_CHECK_VALUE(size >= 1 && size < comm::tag::kMaxRanks, init_label.prefix(),
                     "group size ", size, " is out of range");
   const BackendEnvironment environment = read_environment(init_label.prefix());
+  cuda_path_choice_ = environment.cuda_path;
   std::string no_shared_memory, no_process_reads, no_small_ops, unwatched_peers, layout, cores;
   size_t hosts = 0;
   // [0]: every peer's shared memory maps; [1]: process_vm_readv works too;
@@ -357,6 +359,12 @@ void FsdpExtBackend::abort() {
 }
 
 void FsdpExtBackend::shutdown() {
+  std::shared_ptr<CudaCollectives> cuda;
+  {
+    std::lock_guard<std::mutex> lock(cuda_mutex_);
+    cuda = cuda_;
+  }
+  if (cuda) cuda->shutdown();
   if (activity_board_) activity_board_->stop();
   if (engine_) engine_->shutdown();
 }

@@ -8,16 +8,10 @@ namespace fsdp_ext::backend {
 
 void check_tensor(const OpLabel& label, const at::Tensor& tensor, const char* role) {
   TORCH_CHECK_VALUE(tensor.defined(), label.prefix(), role, " is an undefined tensor");
-  if (tensor.is_cuda()) {
-    TORCH_CHECK_NOT_IMPLEMENTED(
-        false, label.prefix(), role,
-        " is a CUDA tensor, but this build of fsdp_ext has no CUDA (NCCL) path yet; "
-        "use CPU tensors, or a 'cpu:fsdp_ext,cuda:nccl' backend string");
-  }
   TORCH_CHECK_VALUE(!tensor.is_meta(), label.prefix(), role,
                     " is a meta tensor; collectives need tensors with data");
-  TORCH_CHECK_VALUE(tensor.device().is_cpu(), label.prefix(), role, " is on device ",
-                    tensor.device(), "; fsdp_ext handles CPU tensors");
+  TORCH_CHECK_VALUE(tensor.device().is_cpu() || tensor.device().is_cuda(), label.prefix(), role,
+                    " is on device ", tensor.device(), "; fsdp_ext handles CPU and CUDA tensors");
   TORCH_CHECK_VALUE(tensor.layout() == at::kStrided, label.prefix(), role,
                     " has layout ", tensor.layout(), "; only dense (strided) tensors are supported");
   TORCH_CHECK_VALUE(tensor.is_contiguous(), label.prefix(), role,

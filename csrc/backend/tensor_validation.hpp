@@ -11,7 +11,8 @@
 
 namespace fsdp_ext::backend {
 
-// CPU, strided, contiguous, with storage (not meta).
+// CPU or CUDA, strided, contiguous, with storage (not meta). That an op's
+// tensors share one device is FsdpExtBackend::cuda_route's check.
 void check_tensor(const OpLabel& label, const at::Tensor& tensor, const char* role);
 void check_tensors(const OpLabel& label, const std::vector<at::Tensor>& tensors,
                    const char* role);

@@ -12,6 +12,7 @@ const char* error_kind_name(ErrorKind kind) {
     case ErrorKind::kAborted: return "aborted";
     case ErrorKind::kBroken: return "group broken";
     case ErrorKind::kPeerLost: return "peer lost";
+    case ErrorKind::kDevice: return "device error";
   }
   return "unknown";
 }

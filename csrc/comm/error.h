@@ -17,6 +17,7 @@ enum class ErrorKind {
   kAborted,    // the group was aborted or shut down with the op pending
   kBroken,     // an earlier failure left the group unusable
   kPeerLost,   // a peer process exited or its connection failed
+  kDevice,     // a CUDA runtime call failed (csrc/device)
 };
 
 const char* error_kind_name(ErrorKind kind);

@@ -2,6 +2,8 @@
 // ProcessGroup can hold it) and its factory. Registration with
 // torch.distributed happens in Python (torch_fsdp_ext/_registration.py).
 #include <pybind11/chrono.h>
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/python.h>
@@ -29,11 +31,18 @@ PYBIND11_MODULE(_C, m) {
   py::class_<FsdpExtBackend, c10d::Backend, c10::intrusive_ptr<FsdpExtBackend>>(
       m, "FsdpExtBackend")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                       std::chrono::milliseconds timeout, const std::string& group_name) {
-             return c10::make_intrusive<FsdpExtBackend>(store, rank, size, timeout, group_name);
+                       std::chrono::milliseconds timeout, const std::string& group_name,
+                       std::optional<fsdp_ext::backend::NcclFactory> nccl_factory) {
+             return c10::make_intrusive<FsdpExtBackend>(store, rank, size, timeout, group_name,
+                                                        nccl_factory.value_or(nullptr));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("group_name"), py::call_guard<py::gil_scoped_release>())
+           py::arg("group_name"), py::arg("nccl_factory") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly(
+          "cuda_route", &FsdpExtBackend::cuda_route_description,
+          "How this group's ops on CUDA tensors run ('' before its first one): nccl, ipc\n"
+          "or staged through host memory, with why (backend/cuda/cuda_path.hpp).")
       .def_property_readonly("shared_memory_enabled", &FsdpExtBackend::shared_memory_enabled,
                              "Whether this group's ranks share memory (one host; decided at init).")
       .def(

@@ -13,6 +13,7 @@
 
 #include "comm/data_type.h"
 #include "comm/op_context.h"
+#include "comm/reduce_spec.h"
 
 namespace fsdp_ext::comm {
 
@@ -24,17 +25,6 @@ struct MutableSpan {
 struct ConstSpan {
   const void* data = nullptr;
   size_t bytes = 0;
-};
-
-struct ReduceSpec {
-  DataType type = DataType::kFloat32;
-  ReduceKind kind = ReduceKind::kSum;
-  double pre_scale = 1.0;   // PREMUL_SUM: every contribution times this
-  // AVG: the result divided by the group size. A true division, as torch's
-  // div_, not a multiply by the reciprocal (not the same rounding for a group
-  // of 3): AVG is then bit for bit SUM followed by div_, which is what gloo's
-  // AVG and an FSDP runtime that divides after a SUM compute.
-  double post_divisor = 1.0;
 };
 
 // A bucket is several collectives of one kind run as one operation: one

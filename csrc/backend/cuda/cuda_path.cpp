@@ -1,0 +1,188 @@
+#include "backend/cuda/cuda_path.hpp"
+
+#include <c10/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstring>
+#include <set>
+
+#include "backend/cuda/ipc_route.hpp"
+#include "backend/fsdp_ext_backend.hpp"
+#include "backend/peer_identity.hpp"
+#include "device/cuda_check.h"
+#include "device/reduce_kernels.h"
+
+namespace fsdp_ext::backend {
+namespace {
+
+// What each rank says of itself at the first CUDA op: fixed-size, so the
+// host exchange can gather it.
+struct CudaIdentity {
+  std::array<char, 160> host{};  // this_host(): hostname and boot id
+  std::array<char, 16> gpu{};    // the GPU's UUID
+  std::array<char, 8> choice{};  // FSDP_EXT_CUDA_PATH
+  int32_t device = -1;
+};
+
+template <size_t N>
+void copy_text(std::array<char, N>& out, const std::string& text) {
+  std::strncpy(out.data(), text.c_str(), N - 1);
+}
+
+std::string text_of(const std::array<char, 8>& text) {
+  return std::string(text.data(), strnlen(text.data(), text.size()));
+}
+
+}  // namespace
+
+CudaPath::CudaPath(FsdpExtBackend& group, const OpLabel& label, int device,
+                   const std::string& choice, const NcclFactory& nccl_factory)
+    : group_(group),
+      rank_(label.rank),
+      size_(label.size),
+      device_(device),
+      stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true,
+                                           static_cast<c10::DeviceIndex>(device))) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const std::chrono::milliseconds timeout = group.default_timeout();
+  CudaIdentity mine;
+  copy_text(mine.host, this_host());
+  cudaDeviceProp properties{};
+  device::check_cuda(cudaGetDeviceProperties(&properties, device), "cudaGetDeviceProperties");
+  std::memcpy(mine.gpu.data(), &properties.uuid, sizeof(mine.gpu));
+  copy_text(mine.choice, choice);
+  mine.device = device;
+  std::vector<uint8_t> record(sizeof(mine));
+  std::memcpy(record.data(), &mine, sizeof(mine));
+  std::vector<CudaIdentity> ranks(size_);
+  const auto records = group.exchange_bytes(label, record, timeout);
+  for (int r = 0; r < size_; ++r) std::memcpy(&ranks[r], records[r].data(), sizeof(CudaIdentity));
+
+  // Every rank decides from the same records, so all take the same route.
+  std::set<std::string> hosts;
+  std::set<std::pair<std::string, std::string>> gpus;
+  int shared_with = -1;  // a rank whose GPU an earlier rank also uses
+  for (int r = 0; r < size_; ++r) {
+    TORCH_CHECK_VALUE(text_of(ranks[r].choice) == choice, label.prefix(),
+                      "FSDP_EXT_CUDA_PATH is '", choice, "' here but '", text_of(ranks[r].choice),
+                      "' on rank ", r, "; every rank must choose the same");
+    const std::string host(ranks[r].host.data(), strnlen(ranks[r].host.data(), 160));
+    hosts.insert(host);
+    const bool fresh = gpus.insert({host, std::string(ranks[r].gpu.data(), 16)}).second;
+    if (!fresh && shared_with < 0) shared_with = r;
+  }
+  const bool one_host = hosts.size() == 1;
+  const bool own_gpus = shared_with < 0;
+  const std::string layout = std::to_string(size_) + (size_ == 1 ? " rank" : " ranks") + " on " +
+                             std::to_string(hosts.size()) +
+                             (hosts.size() == 1 ? " host" : " hosts") + ", " +
+                             std::to_string(gpus.size()) + (gpus.size() == 1 ? " GPU" : " GPUs");
+
+  const auto use_nccl = [&] {
+    TORCH_CHECK_VALUE(static_cast<bool>(nccl_factory), label.prefix(),
+                      "torch's NCCL is not available here (torch.distributed.is_nccl_available())");
+    nccl_ = nccl_factory();
+    route_ = Route::kNccl;
+    description_ = "nccl (" + layout + ": torch's ProcessGroupNCCL over the same ranks)";
+  };
+  const auto try_ipc = [&](std::string* why_not) {
+    if (!one_host) {
+      *why_not = "the ranks are on " + std::to_string(hosts.size()) + " hosts";
+    } else if (size_ > device::kMaxReduceInputs) {
+      *why_not = "more than " + std::to_string(device::kMaxReduceInputs) + " ranks on one host";
+    } else {
+      ipc_ = IpcRoute::try_create(*this, label, timeout, why_not);
+    }
+    if (ipc_) {
+      route_ = Route::kIpc;
+      description_ = "ipc (" + layout + ": peers' buffers read in place through CUDA IPC)";
+    }
+    return static_cast<bool>(ipc_);
+  };
+  const auto use_staged = [&](const std::string& why) {
+    route_ = Route::kStaged;
+    description_ = "staged through host memory (" + layout + "; " + why + ")";
+  };
+
+  if (choice == "nccl") {
+    TORCH_CHECK_VALUE(own_gpus, label.prefix(), "FSDP_EXT_CUDA_PATH=nccl, but rank ", shared_with,
+                      " shares its GPU with another rank, which NCCL refuses");
+    use_nccl();
+  } else if (choice == "ipc") {
+    std::string why_not;
+    TORCH_CHECK_VALUE(try_ipc(&why_not), label.prefix(),
+                      "FSDP_EXT_CUDA_PATH=ipc, but CUDA IPC cannot be used: ", why_not);
+  } else if (choice == "staged") {
+    use_staged("FSDP_EXT_CUDA_PATH=staged");
+  } else if (own_gpus && nccl_factory) {
+    use_nccl();
+  } else {
+    std::string why_not;
+    if (!try_ipc(&why_not)) {
+      use_staged(own_gpus ? "no NCCL in this torch, and CUDA IPC: " + why_not
+                          : "ranks share GPUs; CUDA IPC: " + why_not +
+                                (one_host ? "" : " (IPC within hosts with NCCL between them "
+                                                 "is not implemented yet)"));
+    }
+  }
+}
+
+CudaPath::~CudaPath() = default;
+
+void CudaPath::shutdown() {
+  if (nccl_) nccl_->shutdown();
+}
+
+void CudaPath::follow_current_stream() const {
+  const c10::cuda::CUDAStream current =
+      c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_));
+  if (current == stream_) return;
+  c10::cuda::CUDAEvent ready;
+  ready.record(current);
+  ready.block(stream_);
+}
+
+void CudaPath::record_stream(const CudaOp& op) const {
+  for (const auto* tensors : {&op.inputs, &op.outputs}) {
+    for (const at::Tensor& tensor : *tensors) {
+      if (tensor.defined() && tensor.is_cuda()) {
+        c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), stream_);
+      }
+    }
+  }
+}
+
+WorkPtr CudaPath::run(const OpLabel& label, CudaOp op) {
+  try {
+    switch (route_) {
+      case Route::kNccl:
+        return op.on_nccl(*nccl_);
+      case Route::kIpc:
+        if (op.kind != CudaOp::Kind::kOther) return ipc_->run(label, op);
+        return run_staged(label, op);
+      case Route::kStaged:
+        return run_staged(label, op);
+    }
+  } catch (const comm::CommError& error) {
+    C10_THROW_ERROR(DistBackendError, label.prefix() + error.what());
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown CUDA route");
+  return nullptr;
+}
+
+std::shared_ptr<CudaCollectives> make_cuda_collectives(FsdpExtBackend& group,
+                                                       const OpLabel& label, int device,
+                                                       const std::string& choice,
+                                                       const NcclFactory& nccl_factory) {
+  try {
+    return std::make_shared<CudaPath>(group, label, device, choice, nccl_factory);
+  } catch (const comm::CommError& error) {
+    C10_THROW_ERROR(DistBackendError, label.prefix() + error.what());
+  }
+}
+
+}  // namespace fsdp_ext::backend

@@ -1,0 +1,303 @@
+#include "backend/cuda/ipc_route.hpp"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <optional>
+
+#include "backend/cuda/cuda_path.hpp"
+#include "backend/cuda/cuda_work.hpp"
+#include "backend/fsdp_ext_backend.hpp"
+#include "device/cuda_check.h"
+#include "device/reduce_kernels.h"
+
+namespace fsdp_ext::backend {
+namespace {
+
+// The host exchanges carry fixed-size records: every rank's record has the
+// same layout, so a rank reads any peer's at a known offset.
+constexpr size_t kReasonBytes = 160;
+
+class RecordWriter {
+ public:
+  template <typename T>
+  void put(const T& value) {
+    const auto* bytes = reinterpret_cast<const uint8_t*>(&value);
+    data_.insert(data_.end(), bytes, bytes + sizeof(T));
+  }
+  void put_reason(const std::string& reason) {
+    char text[kReasonBytes] = {};
+    std::strncpy(text, reason.c_str(), kReasonBytes - 1);
+    put(text);
+  }
+  const std::vector<uint8_t>& bytes() const { return data_; }
+
+ private:
+  std::vector<uint8_t> data_;
+};
+
+class RecordReader {
+ public:
+  explicit RecordReader(const std::vector<uint8_t>& data) : data_(data) {}
+  template <typename T>
+  T get() {
+    T value;
+    TORCH_INTERNAL_ASSERT(offset_ + sizeof(T) <= data_.size(), "a short host record");
+    std::memcpy(&value, data_.data() + offset_, sizeof(T));
+    offset_ += sizeof(T);
+    return value;
+  }
+  std::string get_reason() {
+    const auto text = get<std::array<char, kReasonBytes>>();
+    return std::string(text.data(), strnlen(text.data(), kReasonBytes));
+  }
+
+ private:
+  const std::vector<uint8_t>& data_;
+  size_t offset_ = 0;
+};
+
+// The first rank whose record (starting with an ok byte and a reason) says
+// it failed, as "rank R: reason"; "" when every rank succeeded.
+std::string first_failure(const std::vector<std::vector<uint8_t>>& records) {
+  for (size_t r = 0; r < records.size(); ++r) {
+    RecordReader reader(records[r]);
+    const auto ok = reader.get<uint8_t>();
+    const std::string reason = reader.get_reason();
+    if (!ok) return "rank " + std::to_string(r) + ": " + reason;
+  }
+  return "";
+}
+
+std::optional<device::IpcBuffer> export_tensor(const at::Tensor& tensor) {
+  size_t allocation_bytes = 0;
+  void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(tensor.data_ptr(),
+                                                                  &allocation_bytes);
+  if (base == nullptr) return std::nullopt;
+  return device::export_buffer(base, tensor.data_ptr());
+}
+
+const char* kNoHandle =
+    "its buffer has no CUDA IPC handle (memory from cuMemCreate, e.g. "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)";
+
+}  // namespace
+
+std::unique_ptr<IpcRoute> IpcRoute::try_create(CudaPath& path, const OpLabel& label,
+                                               std::chrono::milliseconds timeout,
+                                               std::string* why_not) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(path.device()));
+  std::unique_ptr<IpcRoute> route(new IpcRoute(path));
+  const int size = path.size();
+  const int rank = path.rank();
+  FsdpExtBackend& group = path.group();
+
+  // 1. This rank's events, exported.
+  std::string failure;
+  try {
+    route->ready_ = std::make_unique<device::SharedEvent>();
+    route->mid_ = std::make_unique<device::SharedEvent>();
+    route->done_ = std::make_unique<device::SharedEvent>();
+  } catch (const comm::CommError& error) {
+    failure = error.what();
+  }
+  RecordWriter events;
+  events.put<uint8_t>(failure.empty());
+  events.put_reason(failure);
+  for (const auto* event : {route->ready_.get(), route->mid_.get(), route->done_.get()}) {
+    events.put(event ? event->handle() : cudaIpcEventHandle_t{});
+  }
+  const auto event_records = group.exchange_bytes(label, events.bytes(), timeout);
+  if (!(*why_not = first_failure(event_records)).empty()) return nullptr;
+
+  // 2. The peers' events opened; a probe buffer exported.
+  at::Tensor probe = at::empty({256}, at::TensorOptions().dtype(at::kByte).device(
+                                          at::kCUDA, static_cast<c10::DeviceIndex>(path.device())));
+  std::optional<device::IpcBuffer> exported;
+  try {
+    route->peer_ready_.resize(size);
+    route->peer_mid_.resize(size);
+    route->peer_done_.resize(size);
+    for (int peer = 0; peer < size; ++peer) {
+      if (peer == rank) continue;
+      RecordReader reader(event_records[peer]);
+      reader.get<uint8_t>();
+      reader.get_reason();
+      route->peer_ready_[peer] = std::make_unique<device::PeerEvent>(reader.get<cudaIpcEventHandle_t>());
+      route->peer_mid_[peer] = std::make_unique<device::PeerEvent>(reader.get<cudaIpcEventHandle_t>());
+      route->peer_done_[peer] = std::make_unique<device::PeerEvent>(reader.get<cudaIpcEventHandle_t>());
+    }
+    exported = export_tensor(probe);
+    if (!exported) failure = kNoHandle;
+  } catch (const comm::CommError& error) {
+    failure = error.what();
+  }
+  RecordWriter buffers;
+  buffers.put<uint8_t>(failure.empty());
+  buffers.put_reason(failure);
+  buffers.put(exported.value_or(device::IpcBuffer{}));
+  const auto buffer_records = group.exchange_bytes(label, buffers.bytes(), timeout);
+  if (!(*why_not = first_failure(buffer_records)).empty()) return nullptr;
+
+  // 3. The peers' probe buffers opened (they stay in the map, as any buffer).
+  try {
+    for (int peer = 0; peer < size; ++peer) {
+      if (peer == rank) continue;
+      RecordReader reader(buffer_records[peer]);
+      reader.get<uint8_t>();
+      reader.get_reason();
+      route->peer_memory_.open(peer, reader.get<device::IpcBuffer>(), [] {});
+    }
+  } catch (const comm::CommError& error) {
+    failure = error.what();
+  }
+  RecordWriter opened;
+  opened.put<uint8_t>(failure.empty());
+  opened.put_reason(failure);
+  if (!(*why_not = first_failure(group.exchange_bytes(label, opened.bytes(), timeout))).empty()) {
+    return nullptr;
+  }
+  return route;
+}
+
+bool IpcRoute::exchange_buffers(const OpLabel& label, const std::vector<at::Tensor>& shared,
+                                std::chrono::milliseconds timeout,
+                                std::vector<std::vector<void*>>* peer_pointers) {
+  const int size = path_.size();
+  const int rank = path_.rank();
+  RecordWriter mine;
+  std::vector<device::IpcBuffer> exports;
+  std::string failure;
+  for (const at::Tensor& tensor : shared) {
+    std::optional<device::IpcBuffer> exported =
+        tensor.numel() == 0 ? std::optional<device::IpcBuffer>(device::IpcBuffer{})
+                            : export_tensor(tensor);
+    if (!exported) {
+      failure = kNoHandle;
+      break;
+    }
+    exports.push_back(*exported);
+  }
+  exports.resize(shared.size());
+  mine.put<uint8_t>(failure.empty());
+  mine.put_reason(failure);
+  mine.put<uint32_t>(static_cast<uint32_t>(shared.size()));
+  for (const device::IpcBuffer& buffer : exports) mine.put(buffer);
+  const auto records = path_.group().exchange_bytes(label, mine.bytes(), timeout);
+  if (!first_failure(records).empty()) return false;
+
+  peer_pointers->assign(size, std::vector<void*>(shared.size(), nullptr));
+  const auto drain = [this] { path_.stream().synchronize(); };
+  for (int peer = 0; peer < size; ++peer) {
+    RecordReader reader(records[peer]);
+    reader.get<uint8_t>();
+    reader.get_reason();
+    const auto count = reader.get<uint32_t>();
+    TORCH_CHECK_VALUE(count == shared.size(), label.prefix(), "rank ", peer, " passed ", count,
+                      " tensors where this rank passed ", shared.size());
+    for (size_t i = 0; i < shared.size(); ++i) {
+      const auto buffer = reader.get<device::IpcBuffer>();
+      if (peer == rank) {
+        (*peer_pointers)[peer][i] = shared[i].data_ptr();
+      } else if (shared[i].numel() > 0) {
+        (*peer_pointers)[peer][i] = peer_memory_.open(peer, buffer, drain);
+      }
+    }
+  }
+  return true;
+}
+
+void IpcRoute::all_recorded(const OpLabel& label, device::SharedEvent& event,
+                            const std::vector<std::unique_ptr<device::PeerEvent>>& peers,
+                            std::chrono::milliseconds timeout) {
+  event.record(path_.stream().stream());
+  path_.group().exchange_bytes(label, {1}, timeout);
+  for (int peer = 0; peer < path_.size(); ++peer) {
+    if (peer != path_.rank()) peers[peer]->wait(path_.stream().stream());
+  }
+}
+
+WorkPtr IpcRoute::run(const OpLabel& label, CudaOp& op) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(path_.device()));
+  const int size = path_.size();
+  const int rank = path_.rank();
+  const cudaStream_t stream = path_.stream().stream();
+  path_.follow_current_stream();
+  ready_->record(stream);
+  std::vector<std::vector<void*>> peer;  // [rank][tensor]: where that rank's buffer is mapped
+  if (!exchange_buffers(label, op.inputs, op.timeout, &peer)) return path_.run_staged(label, op);
+  for (int p = 0; p < size; ++p) {
+    if (p != rank) peer_ready_[p]->wait(stream);
+  }
+
+  const auto copy = [stream](void* dst, const void* src, size_t bytes) {
+    if (bytes == 0 || dst == src) return;
+    device::check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream),
+                       "cudaMemcpyAsync (from a peer's buffer)");
+  };
+  const auto offset = [](void* base, size_t bytes) { return static_cast<char*>(base) + bytes; };
+  switch (op.kind) {
+    case CudaOp::Kind::kAllgather:
+      // Each rank pulls every rank's input into its own output.
+      for (size_t i = 0; i < op.inputs.size(); ++i) {
+        const size_t part = op.inputs[i].nbytes();
+        for (int p = 0; p < size; ++p) {
+          copy(offset(op.outputs[i].data_ptr(), p * part), peer[p][i], part);
+        }
+      }
+      break;
+    case CudaOp::Kind::kReduceScatter:
+      // Each rank reduces its block of every rank's input.
+      for (size_t i = 0; i < op.inputs.size(); ++i) {
+        const size_t part = op.outputs[i].nbytes();
+        std::vector<const void*> blocks(size);
+        for (int p = 0; p < size; ++p) blocks[p] = offset(peer[p][i], rank * part);
+        device::reduce_on_device(op.outputs[i].data_ptr(), blocks.data(), size,
+                                 op.outputs[i].numel(), op.spec, stream);
+      }
+      break;
+    case CudaOp::Kind::kAllreduce: {
+      // Phase 1: each rank reduces its share of every tensor in its own
+      // buffer; phase 2, once every rank's share is done: each rank copies
+      // the other shares from their owners.
+      const auto share = [size](const at::Tensor& t, int p) {
+        const int64_t per = (t.numel() + size - 1) / size;
+        const int64_t begin = std::min<int64_t>(t.numel(), per * p);
+        const int64_t end = std::min<int64_t>(t.numel(), begin + per);
+        return std::make_pair(begin * t.element_size(), (end - begin));
+      };
+      for (size_t i = 0; i < op.inputs.size(); ++i) {
+        const auto [begin, count] = share(op.inputs[i], rank);
+        std::vector<const void*> blocks(size);
+        for (int p = 0; p < size; ++p) blocks[p] = offset(peer[p][i], begin);
+        device::reduce_on_device(offset(op.inputs[i].data_ptr(), begin), blocks.data(), size,
+                                 count, op.spec, stream);
+      }
+      all_recorded(label, *mid_, peer_mid_, op.timeout);
+      for (size_t i = 0; i < op.inputs.size(); ++i) {
+        for (int p = 0; p < size; ++p) {
+          if (p == rank) continue;
+          const auto [begin, count] = share(op.inputs[i], p);
+          copy(offset(op.inputs[i].data_ptr(), begin), offset(peer[p][i], begin),
+               count * op.inputs[i].element_size());
+        }
+      }
+      break;
+    }
+    case CudaOp::Kind::kBroadcast:
+      if (rank != op.root) copy(op.inputs[0].data_ptr(), peer[op.root][0], op.inputs[0].nbytes());
+      break;
+    case CudaOp::Kind::kOther:
+      TORCH_INTERNAL_ASSERT(false, "the IPC route got an op it does not implement");
+  }
+  all_recorded(label, *done_, peer_done_, op.timeout);
+  path_.record_stream(op);
+  return c10::make_intrusive<CudaWork>(rank, c10d::OpType::UNKNOWN, label.op, op.outputs,
+                                       path_.stream());
+}
+
+}  // namespace fsdp_ext::backend

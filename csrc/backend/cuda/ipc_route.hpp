@@ -1,0 +1,62 @@
+// The IPC route of a group's CUDA path (cuda_path.hpp): ranks of one host
+// read each other's device buffers in place.
+//
+// One op, on every rank (Note [an IPC event is waited on after the host hears
+// it was recorded], device/ipc_event.h):
+//   1. the group's stream waits for the caller's current stream; `ready` is
+//      recorded on it (this rank's buffers are ready for its peers);
+//   2. host exchange: the IPC handle and offset of each buffer peers read;
+//   3. the stream waits for every peer's `ready`; copies and kernels read the
+//      peers' buffers (the all-reduce has a second phase, after `mid`);
+//   4. `done` recorded; host exchange (every rank has recorded it); the
+//      stream waits for every peer's `done`, so the op ends only when no
+//      peer still reads this rank's buffers. The Work is that end.
+// A rank whose buffer has no legacy IPC handle says so in step 2, and every
+// rank stages that op instead.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/cuda_collectives.hpp"
+#include "device/ipc_event.h"
+#include "device/ipc_memory.h"
+
+namespace fsdp_ext::backend {
+
+class CudaPath;
+
+class IpcRoute {
+ public:
+  // Collective: creates this rank's events, opens the peers', and checks
+  // that a peer's device memory can be opened. Returns nullptr on every rank
+  // if any rank cannot, with `why_not` naming the rank and the failure.
+  static std::unique_ptr<IpcRoute> try_create(CudaPath& path, const OpLabel& label,
+                                              std::chrono::milliseconds timeout,
+                                              std::string* why_not);
+
+  WorkPtr run(const OpLabel& label, CudaOp& op);
+
+ private:
+  explicit IpcRoute(CudaPath& path) : path_(path) {}
+
+  // Steps 1-3: this rank's shared buffers exported and exchanged; false (on
+  // every rank) when some rank's buffer has no handle.
+  bool exchange_buffers(const OpLabel& label, const std::vector<at::Tensor>& shared,
+                        std::chrono::milliseconds timeout,
+                        std::vector<std::vector<void*>>* peer_pointers);
+  // A host round in which every rank says it recorded `event`; then the
+  // stream waits for each peer's record of it.
+  void all_recorded(const OpLabel& label, device::SharedEvent& event,
+                    const std::vector<std::unique_ptr<device::PeerEvent>>& peers,
+                    std::chrono::milliseconds timeout);
+
+  CudaPath& path_;
+  std::unique_ptr<device::SharedEvent> ready_, mid_, done_;
+  std::vector<std::unique_ptr<device::PeerEvent>> peer_ready_, peer_mid_, peer_done_;
+  device::PeerMemoryMap peer_memory_;
+};
+
+}  // namespace fsdp_ext::backend

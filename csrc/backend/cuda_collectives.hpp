@@ -1,0 +1,78 @@
+// Where the backend sends an op on CUDA tensors: the group's CUDA path.
+//
+// The entry points (fsdp_ext_backend.cpp) find an op's device; for CUDA they
+// describe the op as a CudaOp and hand it to the group's CudaCollectives, made
+// at the group's first CUDA op. Its implementation, and everything CUDA,
+// lives in backend/cuda/ (with the torch-free device room, csrc/device), built
+// only when CMake finds CUDA (cmake/cuda.cmake); a build without it has
+// cuda_unavailable.cpp instead, which refuses CUDA tensors with a clear
+// NotImplementedError.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/op_label.hpp"
+#include "comm/reduce_spec.h"
+
+namespace fsdp_ext::backend {
+
+class FsdpExtBackend;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// Makes torch's own NCCL process group over this group's ranks and store
+// (torch_fsdp_ext/_registration.py passes it; empty without NCCL).
+using NcclFactory = std::function<c10::intrusive_ptr<c10d::Backend>()>;
+
+// One op on CUDA tensors, as every route needs it.
+struct CudaOp {
+  enum class Kind {
+    kAllgather,      // inputs[i] gathered into outputs[i] (world_size x input), i < n
+    kReduceScatter,  // inputs[i] (world_size x output) reduced into outputs[i]
+    kAllreduce,      // inputs[i] reduced in place (outputs == inputs)
+    kBroadcast,      // inputs[0] from `root`, in place
+    kOther,          // any other op: staged through host memory, or NCCL
+  };
+  Kind kind = Kind::kOther;
+  std::vector<at::Tensor> inputs;   // device tensors the op reads
+  std::vector<at::Tensor> outputs;  // device tensors it writes (may be inputs)
+  comm::ReduceSpec spec;            // kReduceScatter, kAllreduce
+  int root = 0;                     // kBroadcast
+  std::chrono::milliseconds timeout{0};
+  // The same op on host tensors in place of `inputs` and `outputs` (same
+  // order; a tensor both read and written is one host tensor): the staged
+  // route runs it between its copies.
+  std::function<WorkPtr(std::vector<at::Tensor>& host_inputs,
+                        std::vector<at::Tensor>& host_outputs)>
+      on_host;
+  // The same op on torch's NCCL group (the NCCL route).
+  std::function<WorkPtr(c10d::Backend& nccl)> on_nccl;
+};
+
+class CudaCollectives {
+ public:
+  virtual ~CudaCollectives() = default;
+  // Runs `op` (its tensors on this path's device), returning a Work whose
+  // wait() makes the caller's current stream wait for it.
+  virtual WorkPtr run(const OpLabel& label, CudaOp op) = 0;
+  // Which route this group's CUDA ops take and why, for the log and tests.
+  virtual std::string describe() const = 0;
+  // The group shuts down (torch's NCCL group with it).
+  virtual void shutdown() {}
+};
+
+// The CUDA path of `group` for tensors on `device`, set up collectively (every
+// rank calls it at the same op); `choice` is FSDP_EXT_CUDA_PATH. A build
+// without CUDA throws NotImplementedError naming the op.
+std::shared_ptr<CudaCollectives> make_cuda_collectives(FsdpExtBackend& group,
+                                                       const OpLabel& label, int device,
+                                                       const std::string& choice,
+                                                       const NcclFactory& nccl_factory);
+
+}  // namespace fsdp_ext::backend

@@ -1,0 +1,95 @@
+// CUDA tensors in the entry points: which device an op's tensors are on, the
+// group's CUDA path (made at its first CUDA op), and the host exchange that
+// path builds on. The path itself is backend/cuda/ (cuda_collectives.hpp).
+#include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
+
+#include <cstring>
+
+#include "backend/fsdp_ext_backend.hpp"
+
+namespace fsdp_ext::backend {
+
+CudaCollectives* FsdpExtBackend::cuda_route(const OpLabel& label,
+                                            const std::vector<at::Tensor>& tensors) {
+  const at::Tensor* first = nullptr;
+  for (const at::Tensor& tensor : tensors) {
+    if (!tensor.defined()) continue;
+    if (first == nullptr) {
+      first = &tensor;
+      continue;
+    }
+    TORCH_CHECK_VALUE(tensor.device() == first->device(), label.prefix(),
+                      "tensors on two devices, ", first->device(), " and ", tensor.device(),
+                      "; an op's tensors must all be on one device");
+  }
+  if (first == nullptr || !first->is_cuda()) return nullptr;
+  const int device = first->device().index();
+  std::lock_guard<std::mutex> lock(cuda_mutex_);
+  if (cuda_) {
+    TORCH_CHECK_VALUE(device == cuda_device_, label.prefix(), "a tensor on cuda:", device,
+                      ", but this rank's earlier CUDA ops in this group used cuda:", cuda_device_,
+                      "; a rank uses one device per group (torch.cuda.set_device)");
+  }
+  if (!cuda_) {
+    cuda_ = make_cuda_collectives(*this, label, device, cuda_path_choice_, nccl_factory_);
+    cuda_device_ = device;
+    LOG(INFO) << "fsdp_ext group '" << group_name_ << "': rank " << rank_ << "/" << size_
+              << ", CUDA ops on cuda:" << device << ": " << cuda_->describe();
+  }
+  return cuda_.get();
+}
+
+namespace {
+// The backend whose CUDA op this thread is running (its CPU ops bypass an
+// open coalescing batch), or nullptr.
+thread_local const FsdpExtBackend* running_cuda_op_of = nullptr;
+}  // namespace
+
+bool FsdpExtBackend::coalescing_on_this_thread() const {
+  return coalescing_ && std::this_thread::get_id() == coalescing_thread_ &&
+         running_cuda_op_of != this;
+}
+
+WorkPtr FsdpExtBackend::run_on_cuda(CudaCollectives& cuda, const OpLabel& label, CudaOp op) {
+  bool in_batch = false;
+  {
+    std::lock_guard<std::mutex> lock(coalescing_mutex_);
+    in_batch = coalescing_on_this_thread();
+  }
+  const FsdpExtBackend* outer = running_cuda_op_of;
+  running_cuda_op_of = this;
+  WorkPtr work;
+  try {
+    work = cuda.run(label, std::move(op));
+  } catch (...) {
+    running_cuda_op_of = outer;
+    throw;
+  }
+  running_cuda_op_of = outer;
+  if (in_batch) {
+    std::lock_guard<std::mutex> lock(coalescing_mutex_);
+    coalesced_cuda_works_.push_back(work);
+  }
+  return work;
+}
+
+std::string FsdpExtBackend::cuda_route_description() const {
+  std::lock_guard<std::mutex> lock(cuda_mutex_);
+  return cuda_ ? cuda_->describe() : "";
+}
+
+std::vector<std::vector<uint8_t>> FsdpExtBackend::exchange_bytes(
+    const OpLabel& label, const std::vector<uint8_t>& local, std::chrono::milliseconds timeout) {
+  const auto bytes = static_cast<int64_t>(local.size());
+  at::Tensor input = at::empty({bytes}, at::kByte);
+  if (bytes > 0) std::memcpy(input.data_ptr(), local.data(), local.size());
+  at::Tensor output = at::empty({bytes * size_}, at::kByte);
+  allgather_into_tensor(label, output, input, timeout)->wait();
+  std::vector<std::vector<uint8_t>> out(size_);
+  const auto* data = static_cast<const uint8_t*>(output.data_ptr());
+  for (int r = 0; r < size_; ++r) out[r].assign(data + r * bytes, data + (r + 1) * bytes);
+  return out;
+}
+
+}  // namespace fsdp_ext::backend

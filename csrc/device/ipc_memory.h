@@ -1,0 +1,74 @@
+// Device memory read in place by the other processes of a host, through
+// CUDA's legacy IPC handles (cudaIpcGetMemHandle / cudaIpcOpenMemHandle).
+//
+// A handle names a whole allocation (one cudaMalloc, e.g. a segment of torch's
+// caching allocator), so a buffer is exported as (handle of its allocation,
+// offset in it). Opening a handle costs a driver round trip and a mapping, so
+// each peer's allocations are opened once and kept (PeerMemoryMap); the same
+// allocation always exports the same handle bytes, which are the cache key.
+// Memory from cuMemCreate (torch's expandable segments) has no legacy handle:
+// export_buffer reports that, and the op then stages through host memory.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstdint>
+#include <list>
+#include <map>
+#include <optional>
+
+namespace fsdp_ext::device {
+
+// What a peer needs to read or write one of this process's buffers. Plain
+// bytes: exchanged between the ranks through the host transport.
+struct IpcBuffer {
+  cudaIpcMemHandle_t handle;  // of the allocation that holds the buffer
+  uint64_t offset = 0;        // of the buffer in that allocation
+};
+
+// The handle of the allocation starting at `allocation_base`, for the buffer
+// at `data` inside it; nullopt where the memory has no legacy IPC handle.
+std::optional<IpcBuffer> export_buffer(void* allocation_base, void* data);
+
+// The peers' allocations this process has opened, by peer and handle. Closes
+// them all on destruction; at most `capacity` stay open (the least recently
+// used is closed first, after `drain` has made sure no queued work reads it).
+class PeerMemoryMap {
+ public:
+  explicit PeerMemoryMap(size_t capacity = 512) : capacity_(capacity) {}
+  ~PeerMemoryMap();
+  PeerMemoryMap(const PeerMemoryMap&) = delete;
+  PeerMemoryMap& operator=(const PeerMemoryMap&) = delete;
+
+  // The peer's buffer, mapped into this process (opened on first use).
+  // `drain` is called before an eviction closes an older mapping.
+  template <typename Drain>
+  void* open(int peer, const IpcBuffer& buffer, Drain&& drain) {
+    if (opened_.size() >= capacity_ && !find(peer, buffer)) {
+      drain();
+      evict_oldest();
+    }
+    return static_cast<char*>(base_of(peer, buffer)) + buffer.offset;
+  }
+  size_t size() const { return opened_.size(); }
+  uint64_t opens() const { return opens_; }  // handles opened so far (cache misses)
+
+ private:
+  using Key = std::pair<int, std::array<char, sizeof(cudaIpcMemHandle_t)>>;
+  struct Entry {
+    void* base;
+    std::list<Key>::iterator age;  // position in lru_
+  };
+  static Key key_of(int peer, const IpcBuffer& buffer);
+  bool find(int peer, const IpcBuffer& buffer) const;
+  void* base_of(int peer, const IpcBuffer& buffer);
+  void evict_oldest();
+
+  size_t capacity_;
+  std::map<Key, Entry> opened_;
+  std::list<Key> lru_;  // most recently used first
+  uint64_t opens_ = 0;
+};
+
+}  // namespace fsdp_ext::device

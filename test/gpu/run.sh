@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The lent GPU machine's one call (issues 34 and 35). From the repository root
+# there, with the UCX kit carried in as .gpu-kit (here: cp -r ../shared/gpu-kit
+# .gpu-kit; /.gpu-kit/ is in .gitignore; the device tool: carry
+# [".gpu-kit"]):
+#
+#   bash test/gpu/run.sh
+#
+# probes the machine (shared/gpu-kit/probe.py), unpacks UCX, builds the
+# extension with its CUDA parts for sm_90 against the machine's torch on every
+# core, checks a 2-rank CPU run, runs the CUDA tests (test/test_cuda.py) and a
+# short CUDA benchmark (benchmarks/collectives.py --device cuda). Each step
+# has a time limit, the whole at most about 8 minutes; a failing step does not
+# stop the next (but for the build). Logs and tables go under $OUT (fetched by
+# the device tool); the last lines printed are the summary.
+#
+# Rehearsal without a GPU (the build against another torch, the tests
+# skipping): PY=/path/to/venv/bin/python OUT=/tmp/gpu-rehearsal bash test/gpu/run.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+PY=${PY:-$(command -v python3)}
+KIT=${KIT:-.gpu-kit}
+summary=()
+
+# step NAME LIMIT_SECONDS COMMAND...: runs it with its output in $OUT/NAME.log.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  echo "== $name (limit ${limit} s)"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$name: rc $rc in $((SECONDS - start)) s")
+  tail -n 15 "$OUT/$name.log"
+  return $rc
+}
+
+step probe 60 "$PY" "$KIT/probe.py"
+if [ -z "$(pkg-config --modversion ucx 2>/dev/null)" ]; then
+  eval "$("$KIT/unpack-ucx.sh" /tmp/fsdp-ext-ucx)"
+fi
+export UCX_NET_DEVICES=lo UCX_TLS=self,sm,tcp UCX_LOG_LEVEL=error
+# cmake and ninja: the machine's, or the venv's pip packages.
+export PATH="$(dirname "$PY"):$PATH"
+step build 300 env FSDP_EXT_CUDA=ON CUDAARCHS=90 MAX_JOBS="$(nproc)" \
+  "$PY" setup.py build_ext --inplace || { printf '%s\n' "${summary[@]}"; exit 1; }
+"$PY" -c "from torch_fsdp_ext import _build_info as b; print(vars(b))" | tee -a "$OUT/build.log"
+step cpu_smoke 60 "$(dirname "$PY")/torchrun" --standalone --nproc-per-node 2 test/smoke_installed.py
+step cuda_tests 240 "$PY" -m pytest -q -p no:cacheprovider -rs test/test_cuda.py
+step cuda_bench 150 "$PY" benchmarks/collectives.py --device cuda --world-sizes 2 4 \
+  --min-bytes 64K --max-bytes 256M --repeats 3 --output "$OUT/collectives_cuda.json"
+echo "== summary"
+printf '%s\n' "${summary[@]}"

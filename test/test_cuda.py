@@ -1,0 +1,347 @@
+"""CUDA tensors through fsdp_ext (csrc/backend/cuda, csrc/device).
+
+Ranks share the one GPU of the machine (as on the lent GPU machine: NCCL
+refuses two ranks on one GPU, so this is how several ranks run there), on each
+route of the group's CUDA path forced in turn (FSDP_EXT_CUDA_PATH): ``ipc``
+(peers' buffers read in place), ``staged`` (through host memory), and
+``auto``; NCCL at world size 1. Every op is checked against a reference
+computed on the CPU from closed-form inputs (value = f(rank, index)), at
+awkward sizes (0, 1, 3, 8191 and a few MiB), for every dtype the op takes.
+Then the stream contract (an op waits for the caller's stream; ``wait()``
+orders the caller's stream, not the host), coalesced ops, and bad input.
+
+Needs a CUDA GPU and a build with the CUDA parts; without either every test
+here skips, saying which (test/gpu/run.sh runs them on the lent GPU machine).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import get_pool
+from torch_fsdp_ext import _build_info
+
+pytestmark = [
+    pytest.mark.skipif(not _build_info.WITH_CUDA,
+                       reason="this build of torch_fsdp_ext has no CUDA parts (torch is a CPU "
+                              "build, or no nvcc, or FSDP_EXT_CUDA=OFF)"),
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA GPU; none here (test/gpu/run.sh runs these on the "
+                              "lent GPU machine)"),
+]
+
+SIZES = [0, 1, 3, 8191, 3 << 18]  # the last: 786432 elements, 3 MiB of fp32
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64,
+          torch.uint8, torch.bool]
+ROUTES = ["ipc", "staged", "auto"]
+
+
+def values(rank, n, dtype, device="cpu"):
+    """Rank `rank`'s input: small integers, exact in every dtype's sums of 4."""
+    i = torch.arange(n, dtype=torch.int64)
+    v = (i * 7 + rank * 3) % 17 - 8
+    if dtype == torch.bool:
+        return ((i + rank) % 3 == 0).to(device)
+    if dtype == torch.uint8:
+        v = v + 8
+    return v.to(dtype).to(device)
+
+
+def reference(op, inputs, dtype, world):
+    """The expected result from every rank's CPU input, in float64 (or int64)."""
+    wide = [t.to(torch.float64 if dtype.is_floating_point else torch.int64) for t in inputs]
+    stacked = torch.stack(wide)
+    if dtype == torch.bool:
+        return {"sum": stacked.amax(0), "max": stacked.amax(0), "min": stacked.amin(0),
+                "product": stacked.amin(0)}[op].to(torch.bool)
+    out = {"sum": stacked.sum(0), "max": stacked.amax(0), "min": stacked.amin(0),
+           "product": stacked.prod(0), "avg": stacked.sum(0) / world}[op]
+    return out.to(dtype)
+
+
+def close(actual, expected, op):
+    if op in ("avg", "premul") and actual.dtype.is_floating_point:
+        tolerance = 1e-2 if actual.dtype in (torch.float16, torch.bfloat16) else 1e-6
+        return torch.allclose(actual.double(), expected.double(), rtol=tolerance, atol=tolerance)
+    return torch.equal(actual, expected)
+
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+              "product": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.AVG}
+
+
+def reductions(dtype):
+    """The reduce ops each dtype gets checked with (every dtype: SUM)."""
+    if dtype == torch.bool:
+        return ["sum", "min"]
+    ops = ["sum", "max"]
+    if dtype.is_floating_point:
+        ops.append("avg")
+    if dtype == torch.int64:
+        ops.append("product")
+    return ops
+
+
+def check_every_op(ctx):
+    """Each op x dtype x size against the CPU reference; returns the
+    failures (empty when all is right) and the group's CUDA route."""
+    torch.cuda.set_device(0)
+    rank, world = ctx.rank, ctx.world_size
+    dev = torch.device("cuda", 0)
+    failures = []
+
+    def expect(what, ok):
+        if not ok:
+            failures.append(what)
+
+    for dtype in DTYPES:
+        for n in SIZES:
+            mine = values(rank, n, dtype, dev)
+            everyone = [values(r, n, dtype) for r in range(world)]
+            # all_gather_into_tensor
+            out = torch.full((world * n,), 1, dtype=dtype, device=dev)
+            dist.all_gather_into_tensor(out, mine)
+            expect(f"all_gather_into_tensor {dtype} n={n}", torch.equal(out.cpu(), torch.cat(everyone)))
+            # broadcast from the last rank
+            t = mine.clone()
+            dist.broadcast(t, src=world - 1)
+            expect(f"broadcast {dtype} n={n}", torch.equal(t.cpu(), everyone[-1]))
+            for op in reductions(dtype):
+                # all_reduce (in place)
+                t = mine.clone()
+                dist.all_reduce(t, op=REDUCE_OPS[op])
+                expect(f"all_reduce {op} {dtype} n={n}",
+                       close(t.cpu(), reference(op, everyone, dtype, world), op))
+                # reduce_scatter_tensor: every rank's input is world x n
+                big = torch.cat([values(rank + 10 * k, n, dtype) for k in range(world)]).to(dev)
+                out = torch.full((n,), 1, dtype=dtype, device=dev)
+                dist.reduce_scatter_tensor(out, big, op=REDUCE_OPS[op])
+                blocks = [values(r + 10 * rank, n, dtype) for r in range(world)]
+                expect(f"reduce_scatter_tensor {op} {dtype} n={n}",
+                       close(out.cpu(), reference(op, blocks, dtype, world), op))
+    # PREMUL_SUM (what FSDP's reduce-scatter uses for its gradient divide).
+    for dtype in (torch.float32, torch.bfloat16):
+        n = 8191
+        big = torch.cat([values(rank + 10 * k, n, dtype) for k in range(world)]).to(dev)
+        out = torch.empty((n,), dtype=dtype, device=dev)
+        dist.reduce_scatter_tensor(out, big, op=dist._make_nccl_premul_sum(0.5))
+        blocks = [values(r + 10 * rank, n, dtype).double() * 0.5 for r in range(world)]
+        expect(f"reduce_scatter_tensor premul {dtype}",
+               close(out.cpu(), torch.stack(blocks).sum(0).to(dtype), "premul"))
+    backend = dist.group.WORLD._get_backend(dev)
+    return failures, backend.cuda_route
+
+
+def check_other_ops(ctx):
+    """The ops the fast routes stage (all_to_all_single, send/recv, the list
+    forms, gather/scatter, reduce), and the coalesced ones."""
+    torch.cuda.set_device(0)
+    rank, world = ctx.rank, ctx.world_size
+    dev = torch.device("cuda", 0)
+    failures = []
+
+    def expect(what, ok):
+        if not ok:
+            failures.append(what)
+
+    n = 8191
+    everyone = [values(r, n * world, torch.float32) for r in range(world)]
+    out = torch.empty(n * world, device=dev)
+    dist.all_to_all_single(out, everyone[rank].to(dev))
+    expected = torch.cat([everyone[r][rank * n:(rank + 1) * n] for r in range(world)])
+    expect("all_to_all_single", torch.equal(out.cpu(), expected))
+
+    outs = [torch.empty(n, device=dev) for _ in range(world)]
+    dist.all_gather(outs, values(rank, n, torch.float32, dev))
+    expect("all_gather (list)", all(torch.equal(o.cpu(), values(r, n, torch.float32))
+                                    for r, o in enumerate(outs)))
+
+    out = torch.empty(n, device=dev)
+    dist.reduce_scatter(out, [values(rank + 10 * k, n, torch.float32, dev) for k in range(world)])
+    expect("reduce_scatter (list)",
+           torch.equal(out.cpu(), reference("sum", [values(r + 10 * rank, n, torch.float32)
+                                                    for r in range(world)], torch.float32, world)))
+
+    t = values(rank, n, torch.int64, dev)
+    dist.reduce(t, dst=0)
+    if rank == 0:
+        expect("reduce", torch.equal(t.cpu(), reference(
+            "sum", [values(r, n, torch.int64) for r in range(world)], torch.int64, world)))
+
+    if world > 1:
+        if rank == 0:
+            dist.send(values(7, n, torch.float32, dev), dst=world - 1)
+        elif rank == world - 1:
+            got = torch.empty(n, device=dev)
+            dist.recv(got, src=0)
+            expect("send/recv", torch.equal(got.cpu(), values(7, n, torch.float32)))
+
+    # Coalesced: the fast path of _coalescing_manager (one call for the batch).
+    sizes = [1, 3, 8191]
+    ins = [values(rank + s, s, torch.float32, dev) for s in sizes]
+    outs = [torch.empty(world * s, device=dev) for s in sizes]
+    with dist._coalescing_manager(device=dev, async_ops=True) as cm:
+        for o, i in zip(outs, ins):
+            dist.all_gather_into_tensor(o, i)
+    cm.wait()
+    expect("all_gather_into_tensor coalesced",
+           all(torch.equal(o.cpu(), torch.cat([values(r + s, s, torch.float32) for r in range(world)]))
+               for o, s in zip(outs, sizes)))
+    tensors = [values(rank, s, torch.float32, dev) for s in sizes]
+    with dist._coalescing_manager(device=dev, async_ops=True) as cm:
+        for t in tensors:
+            dist.all_reduce(t)
+    cm.wait()
+    expect("all_reduce coalesced",
+           all(torch.equal(t.cpu(), reference("sum", [values(r, s, torch.float32) for r in range(world)],
+                                              torch.float32, world)) for t, s in zip(tensors, sizes)))
+    bigs = [torch.cat([values(rank + 10 * k, s, torch.float32) for k in range(world)]).to(dev)
+            for s in sizes]
+    outs = [torch.empty(s, device=dev) for s in sizes]
+    with dist._coalescing_manager(device=dev, async_ops=True) as cm:
+        for o, b in zip(outs, bigs):
+            dist.reduce_scatter_tensor(o, b)
+    cm.wait()
+    expect("reduce_scatter_tensor coalesced",
+           all(torch.equal(o.cpu(), reference("sum", [values(r + 10 * rank, s, torch.float32)
+                                                      for r in range(world)], torch.float32, world))
+               for o, s in zip(outs, sizes)))
+    return failures
+
+
+def check_stream_contract(ctx):
+    """The op runs after what the caller's stream enqueued before it (a long
+    sleep, then the fill), and wait() orders the caller's stream after the
+    op with no host synchronisation: the result read on that stream is right."""
+    torch.cuda.set_device(0)
+    rank, world = ctx.rank, ctx.world_size
+    dev = torch.device("cuda", 0)
+    side = torch.cuda.Stream(dev)
+    results = []
+    with torch.cuda.stream(side):
+        for op in ("all_reduce", "all_gather", "reduce_scatter"):
+            x = torch.zeros(1 << 20, device=dev)
+            torch.cuda._sleep(20_000_000)  # ~10 ms of device time before the fill
+            x.fill_(rank + 1)
+            if op == "all_reduce":
+                work = dist.all_reduce(x, async_op=True)
+                out, expected = x, world * (world + 1) / 2
+            elif op == "all_gather":
+                out = torch.empty(world * x.numel(), device=dev)
+                work = dist.all_gather_into_tensor(out, x, async_op=True)
+                expected = None
+            else:
+                out = torch.empty(x.numel() // world, device=dev)
+                work = dist.reduce_scatter_tensor(out, x, async_op=True)
+                expected = world * (world + 1) / 2
+            work.wait()
+            # Read on the side stream: ordered after the op by wait() alone.
+            if expected is None:
+                check = torch.stack([out[r * x.numel():(r + 1) * x.numel()].mean() for r in range(world)])
+                results.append(torch.equal(check.cpu(), torch.arange(1, world + 1, dtype=torch.float32)))
+            else:
+                results.append(bool((out == expected).all().item()))
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4], ids=lambda n: f"ws{n}")
+@pytest.mark.parametrize("route", ROUTES)
+def test_every_op_against_cpu_reference(world, route):
+    results = get_pool(world, FSDP_EXT_CUDA_PATH=route).run(check_every_op)
+    for rank, (failures, description) in enumerate(results):
+        assert not failures, (rank, description, failures)
+        if route != "auto":
+            assert description.startswith(route), description
+        elif world > 1:
+            # Ranks sharing the one GPU: never NCCL.
+            assert not description.startswith("nccl"), description
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=lambda n: f"ws{n}")
+@pytest.mark.parametrize("route", ["ipc", "staged"])
+def test_other_and_coalesced_ops(world, route):
+    for rank, failures in enumerate(get_pool(world, FSDP_EXT_CUDA_PATH=route).run(check_other_ops)):
+        assert not failures, (rank, failures)
+
+
+@pytest.mark.parametrize("route", ["ipc", "staged"])
+def test_stream_contract(route):
+    for rank, results in enumerate(get_pool(2, FSDP_EXT_CUDA_PATH=route).run(check_stream_contract)):
+        assert results == [True, True, True], (rank, results)
+
+
+@pytest.mark.skipif(not dist.is_nccl_available(), reason="this torch has no NCCL")
+def test_nccl_at_world_size_one():
+    pool = get_pool(1, FSDP_EXT_CUDA_PATH="nccl")
+    (failures, description), = pool.run(check_every_op)
+    assert not failures and description.startswith("nccl"), (description, failures)
+    (failures,) = pool.run(check_other_ops)
+    assert not failures, failures
+
+
+def check_bad_input(ctx):
+    torch.cuda.set_device(0)
+    messages = []
+    for call in (
+        lambda: dist.all_gather_into_tensor(torch.empty(2 * ctx.world_size), torch.ones(2, device="cuda")),
+        lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16, device="cuda")),
+        lambda: dist.all_reduce(torch.ones(3, device="cuda"), op=dist.ReduceOp.BAND),
+    ):
+        try:
+            call()
+            messages.append("no error")
+        except (ValueError, TypeError, NotImplementedError, RuntimeError) as error:
+            messages.append(f"{type(error).__name__}: {error}")
+    return messages
+
+
+def test_bad_input_is_a_clear_error():
+    for rank, messages in enumerate(get_pool(2, FSDP_EXT_CUDA_PATH="ipc").run(check_bad_input)):
+        mixed, int16, bitwise = messages
+        assert "ValueError" in mixed and "tensors on two devices" in mixed and "cuda:0" in mixed, mixed
+        assert f"rank {rank}/2" in mixed, mixed
+        assert "TypeError" in int16 and "int16" in int16, int16
+        assert "BAND" in bitwise or "bitwise" in bitwise, bitwise
+
+
+DEAD_PEER = textwrap.dedent("""
+    import os, sys, time, datetime, torch, torch.distributed as dist, torch_fsdp_ext
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(0)
+    dist.init_process_group("fsdp_ext", timeout=datetime.timedelta(seconds=120))
+    x = torch.ones(1 << 20, device="cuda")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    if rank == 1:
+        os._exit(0)  # gone, without a word
+    start = time.monotonic()
+    try:
+        dist.all_reduce(x)
+        torch.cuda.synchronize()
+        print("no error")
+    except Exception as error:  # noqa: BLE001
+        print(f"{type(error).__name__} after {time.monotonic() - start:.1f} s: {error}")
+    os._exit(0)
+""")
+
+
+@pytest.mark.parametrize("route", ["ipc", "staged"])
+def test_dead_peer_is_an_error_within_seconds(tmp_path, route):
+    script = tmp_path / "dead_peer.py"
+    script.write_text(DEAD_PEER)
+    env = dict(os.environ, FSDP_EXT_CUDA_PATH=route, MASTER_ADDR="127.0.0.1", WORLD_SIZE="2",
+               MASTER_PORT=str(29700 + (hash(route) % 200)))
+    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    out = procs[0].communicate(timeout=90)[0]
+    procs[1].communicate(timeout=30)
+    line = out.strip().splitlines()[-1]
+    assert line.startswith("DistBackendError"), out[-2000:]
+    assert float(line.split(" after ")[1].split(" s")[0]) < 10, line
+    assert "rank 1" in line or "peer 1" in line, line

@@ -108,13 +108,21 @@ class CollectiveCounter:
 
 class HookRecorder:
     """An all-reduce hook that scales in place (so a missing call changes
-    the numbers) and counts its calls."""
+    the numbers), counts its calls and notes which CPU stream was current:
+    the one given to set_all_reduce_hook, the default one, or another (the
+    FSDP group's own)."""
 
-    def __init__(self):
+    def __init__(self, stream=None):
         self.calls = 0
+        self.streams = set()
+        self._given = stream
+        self._default = torch.cpu.current_stream()
 
     def __call__(self, output):
         self.calls += 1
+        current = torch.cpu.current_stream()
+        self.streams.add("given" if current is self._given and current is not None
+                         else "default" if current is self._default else "the group's own")
         output.mul_(0.5)
 
 
@@ -272,10 +280,11 @@ def _build(case, api, mesh):
                 warnings.simplefilter("ignore")  # upstream deprecates this alias
                 module.set_reduce_scatter_divide_factor(3.0)
     elif case in ("all_reduce_hook", "all_reduce_hook_stream"):
-        extra["hooks"] = [HookRecorder() for _ in fsdp_modules]
         # On a CPU mesh upstream runs the hook under torch.cpu.stream(stream),
-        # which orders nothing: same numbers, same calls.
+        # (its all-reduce stream's without one), which orders nothing: same
+        # numbers, same calls, the same current stream inside the hook.
         stream = {"stream": torch.cpu.Stream()} if case == "all_reduce_hook_stream" else {}
+        extra["hooks"] = [HookRecorder(**stream) for _ in fsdp_modules]
         for module, hook in zip(fsdp_modules, extra["hooks"]):
             module.set_all_reduce_hook(hook, **stream)
     elif case == "force_sum":
@@ -329,6 +338,7 @@ def train_case(ctx, backend, mesh_shape, case):
         report = {}
         if "hooks" in extra:
             report["hook_calls"] = [h.calls for h in extra["hooks"]]
+            report["hook_streams"] = [sorted(h.streams) for h in extra["hooks"]]
         if "groups_per_block" in extra:
             report["groups_per_block"] = extra["groups_per_block"]
         if "ag" in extra:
@@ -363,13 +373,17 @@ def _run_case(ws, backend, mesh_shape, case, compare_counts=True):
 def test_all_reduce_hook_matches_upstream(backend, mesh_shape):
     per_rank = _run_case(4 if len(mesh_shape) == 2 else 2, backend, mesh_shape,
                          "all_reduce_hook")
-    # One call per group per step, after the reduce-scatter or all-reduce.
+    # One call per group per step, after the reduce-scatter or all-reduce,
+    # under the group's own all-reduce stream (the reports equal upstream's).
     assert per_rank[0]["ours"]["report"]["hook_calls"] == [STEPS] * 4
+    assert per_rank[0]["ours"]["report"]["hook_streams"] == [["the group's own"]] * 4
 
 
 def test_all_reduce_hook_with_stream_on_cpu_mesh_matches_upstream():
     per_rank = _run_case(2, "fsdp_ext", (2,), "all_reduce_hook_stream")
     assert per_rank[0]["ours"]["report"]["hook_calls"] == [STEPS] * 4
+    # torch.cpu.current_stream() inside the hook is the stream given.
+    assert per_rank[0]["ours"]["report"]["hook_streams"] == [["given"]] * 4
 
 
 def _hook_stream_under_hsdp(ctx, impl):

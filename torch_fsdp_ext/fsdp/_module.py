@@ -308,15 +308,20 @@ class FSDPModule(UpstreamFSDPModule):
         after the reduce-scatter (FSDP) or the replicas' all-reduce (HSDP),
         before the final divide and the cast to the parameters' dtype.
 
-        ``stream``: as upstream's, refused under native HSDP. On a CPU mesh
-        streams order nothing (upstream runs the hook under
-        ``torch.cpu.stream(stream)``, which does nothing), so the hook runs
-        in line with the reduction either way."""
+        ``stream``: as upstream's, refused under native HSDP. The hook runs
+        with ``stream`` as its device's current stream, or without one with
+        the group's own all-reduce stream (one per module, made at the first
+        call), as upstream's runs it: on a CPU mesh streams order nothing,
+        but a hook that reads ``torch.cpu.current_stream()`` sees the same."""
         group = self._single_group_setting("set_all_reduce_hook")
         if group is None:
             return
-        group.set_all_reduce_hook(hook)
-        if stream is not None and group.replicate_group is not None:
+        # As upstream: under native HSDP a stream is refused after the hook is
+        # set, and the hook keeps the group's own stream.
+        refused = stream is not None and group.replicate_group is not None
+        group.set_all_reduce_hook(
+            _HookOnStream(hook, None if refused else stream, _mesh_device_type(self)))
+        if refused:
             raise ValueError("stream cannot be set when using native HSDP")
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
@@ -430,6 +435,37 @@ class FSDPModule(UpstreamFSDPModule):
             "(CUDA meshes); on a CPU mesh use set_allocate_memory_from_process_group_for_comm, "
             "which lets fsdp_ext peers read the buffers in place"
         )
+
+
+class _HookOnStream:
+    """An all-reduce hook run as upstream runs it: under its stream (the
+    user's, else one of its own, as upstream's all-reduce stream), which
+    first waits for the stream the reduction finished on; that stream waits
+    for it afterwards. On CPU all of it orders nothing and costs a few
+    attribute look-ups; what a hook can see is the current stream."""
+
+    def __init__(self, hook, stream, device_type: str):
+        self._hook = hook
+        self._stream = stream
+        self._device = torch.get_device_module(device_type)
+
+    def __call__(self, output: torch.Tensor) -> None:
+        if self._stream is None:
+            self._stream = self._device.Stream()
+        reduced_on = self._device.current_stream()
+        self._stream.wait_stream(reduced_on)
+        with self._device.stream(self._stream):
+            self._hook(output)
+        reduced_on.wait_stream(self._stream)
+
+
+def _mesh_device_type(module: nn.Module) -> str:
+    """The device type of the mesh the module's parameters are sharded on."""
+    for param in module.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if mesh is not None:
+            return mesh.device_type
+    return "cpu"
 
 
 def share_comm_ctx(modules: list) -> None:

@@ -38,7 +38,6 @@ pytestmark = [
 SIZES = [0, 1, 3, 8191, 3 << 18]  # the last: 786432 elements, 3 MiB of fp32
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64,
           torch.uint8, torch.bool]
-ROUTES = ["ipc", "staged", "auto"]
 
 
 def values(rank, n, dtype, device="cpu"):
@@ -138,8 +137,9 @@ def check_every_op(ctx):
 
 
 def check_other_ops(ctx):
-    """The ops the fast routes stage (all_to_all_single, send/recv, the list
-    forms, gather/scatter, reduce), and the coalesced ones."""
+    """The ops the fast routes stage (all_to_all_single, the list forms,
+    reduce), FSDP's in-place forms on views, send/recv refused off the NCCL
+    route, and the coalesced ops."""
     torch.cuda.set_device(0)
     rank, world = ctx.rank, ctx.world_size
     dev = torch.device("cuda", 0)
@@ -173,13 +173,34 @@ def check_other_ops(ctx):
         expect("reduce", torch.equal(t.cpu(), reference(
             "sum", [values(r, n, torch.int64) for r in range(world)], torch.int64, world)))
 
-    if world > 1:
-        if rank == 0:
-            dist.send(values(7, n, torch.float32, dev), dst=world - 1)
-        elif rank == world - 1:
-            got = torch.empty(n, device=dev)
-            dist.recv(got, src=0)
-            expect("send/recv", torch.equal(got.cpu(), values(7, n, torch.float32)))
+    # In place, as FSDP calls them: the input a view into the output (its
+    # data pointer past its allocation's start), and an all-reduce on a view.
+    out = torch.empty(n * world, device=dev)
+    own = out.narrow(0, rank * n, n)
+    own.copy_(values(rank, n, torch.float32, dev))
+    dist.all_gather_into_tensor(out, own)
+    expect("all_gather_into_tensor in place",
+           torch.equal(out.cpu(), torch.cat([values(r, n, torch.float32) for r in range(world)])))
+    padded = torch.zeros(n + 5, device=dev)
+    view = padded.narrow(0, 5, n)
+    view.copy_(values(rank, n, torch.float32, dev))
+    dist.all_reduce(view)
+    expect("all_reduce on a view", torch.equal(view.cpu(), reference(
+        "sum", [values(r, n, torch.float32) for r in range(world)], torch.float32, world))
+        and not padded[:5].any().item())
+
+    # Point-to-point on ipc and staged routes: refused, clearly, on both ends
+    # (only the NCCL route runs it), and the group goes on.
+    if world > 1 and rank in (0, world - 1):
+        try:
+            if rank == 0:
+                dist.send(values(7, n, torch.float32, dev), dst=world - 1)
+            else:
+                dist.recv(torch.empty(n, device=dev), src=0)
+            expect("send/recv refused", False)
+        except NotImplementedError as error:
+            expect(f"send/recv refusal names the NCCL route: {error}", "NCCL route" in str(error))
+    dist.all_reduce(torch.ones(1, device=dev))
 
     # Coalesced: the fast path of _coalescing_manager (one call for the batch).
     sizes = [1, 3, 8191]
@@ -249,8 +270,11 @@ def check_stream_contract(ctx):
     return results
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4], ids=lambda n: f"ws{n}")
-@pytest.mark.parametrize("route", ROUTES)
+# The matrix's corners: each route at an even and an odd world size, the
+# largest on IPC (the route with the most protocol), auto at both ends.
+@pytest.mark.parametrize("world,route", [(1, "auto"), (2, "ipc"), (3, "ipc"), (4, "ipc"),
+                                         (2, "staged"), (3, "staged"), (4, "auto")],
+                         ids=lambda v: f"ws{v}" if isinstance(v, int) else v)
 def test_every_op_against_cpu_reference(world, route):
     results = get_pool(world, FSDP_EXT_CUDA_PATH=route).run(check_every_op)
     for rank, (failures, description) in enumerate(results):
@@ -309,6 +333,30 @@ def test_bad_input_is_a_clear_error():
         assert "BAND" in bitwise or "bitwise" in bitwise, bitwise
 
 
+def check_point_to_point_first(ctx):
+    """A send/recv as a new group's first CUDA op: refused at once on both
+    ends (two ranks cannot choose the group's route for all), no hang."""
+    torch.cuda.set_device(0)
+    group = dist.new_group(list(range(ctx.world_size)))
+    try:
+        if ctx.rank == 0:
+            dist.send(torch.ones(3, device="cuda"), dst=1, group=group)
+        elif ctx.rank == 1:
+            dist.recv(torch.empty(3, device="cuda"), src=0, group=group)
+        else:
+            return "not in the pair"
+        return "no error"
+    except NotImplementedError as error:
+        return f"NotImplementedError: {error}"
+
+
+def test_point_to_point_cannot_be_a_groups_first_cuda_op():
+    for rank, message in enumerate(get_pool(3, FSDP_EXT_CUDA_PATH="auto").run(
+            check_point_to_point_first)):
+        if rank < 2:
+            assert message.startswith("NotImplementedError") and "first CUDA op" in message, message
+
+
 DEAD_PEER = textwrap.dedent("""
     import os, sys, time, datetime, torch, torch.distributed as dist, torch_fsdp_ext
     rank = int(os.environ["RANK"])
@@ -323,10 +371,10 @@ DEAD_PEER = textwrap.dedent("""
     try:
         dist.all_reduce(x)
         torch.cuda.synchronize()
-        print("no error")
+        print("no error", flush=True)
     except Exception as error:  # noqa: BLE001
-        print(f"{type(error).__name__} after {time.monotonic() - start:.1f} s: {error}")
-    os._exit(0)
+        print(f"{type(error).__name__} after {time.monotonic() - start:.1f} s: {error}", flush=True)
+    os._exit(0)  # drops unflushed output: the prints flush
 """)
 
 

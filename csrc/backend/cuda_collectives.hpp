@@ -63,6 +63,10 @@ class CudaCollectives {
   virtual WorkPtr run(const OpLabel& label, CudaOp op) = 0;
   // Which route this group's CUDA ops take and why, for the log and tests.
   virtual std::string describe() const = 0;
+  // Whether send/recv run on this route: only NCCL's for now (a staged send
+  // would hold the host until its receiver posts, and IPC has no pairwise
+  // protocol yet).
+  virtual bool runs_point_to_point() const { return false; }
   // The group shuts down (torch's NCCL group with it).
   virtual void shutdown() {}
 };

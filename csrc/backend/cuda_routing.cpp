@@ -11,7 +11,8 @@
 namespace fsdp_ext::backend {
 
 CudaCollectives* FsdpExtBackend::cuda_route(const OpLabel& label,
-                                            const std::vector<at::Tensor>& tensors) {
+                                            const std::vector<at::Tensor>& tensors,
+                                            bool point_to_point) {
   const at::Tensor* first = nullptr;
   for (const at::Tensor& tensor : tensors) {
     if (!tensor.defined()) continue;
@@ -30,6 +31,21 @@ CudaCollectives* FsdpExtBackend::cuda_route(const OpLabel& label,
     TORCH_CHECK_VALUE(device == cuda_device_, label.prefix(), "a tensor on cuda:", device,
                       ", but this rank's earlier CUDA ops in this group used cuda:", cuda_device_,
                       "; a rank uses one device per group (torch.cuda.set_device)");
+  }
+  if (point_to_point) {
+    // Only two ranks are here: they cannot make the path, which every rank
+    // of the group makes together.
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        cuda_ != nullptr, label.prefix(),
+        "a send or recv of CUDA tensors cannot be this group's first CUDA op: the group "
+        "chooses its CUDA route at its first CUDA collective, on every rank; run one first, "
+        "or use a 'cpu:fsdp_ext,cuda:nccl' backend string for CUDA point-to-point");
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        cuda_->runs_point_to_point(), label.prefix(),
+        "send and recv of CUDA tensors run only on the NCCL route; this group's CUDA route is ",
+        cuda_->describe(), "; use a 'cpu:fsdp_ext,cuda:nccl' backend string for CUDA "
+        "point-to-point");
+    return cuda_.get();
   }
   if (!cuda_) {
     cuda_ = make_cuda_collectives(*this, label, device, cuda_path_choice_, nccl_factory_);

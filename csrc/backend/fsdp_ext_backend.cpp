@@ -751,7 +751,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::send(std::vector<at::Tensor>& ten
   check_tensor(l, tensors[0], "tensor");
   check_rank(l, dst_rank, "destination");
   at::Tensor tensor = tensors[0];
-  if (CudaCollectives* cuda = cuda_route(l, tensors)) {
+  if (CudaCollectives* cuda = cuda_route(l, tensors, /*point_to_point=*/true)) {
     CudaOp op;
     op.inputs = {tensor};
     op.timeout = default_timeout_;
@@ -778,7 +778,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::recv(std::vector<at::Tensor>& ten
   check_tensor(l, tensors[0], "tensor");
   check_rank(l, src_rank, "source");
   at::Tensor tensor = tensors[0];
-  if (CudaCollectives* cuda = cuda_route(l, tensors)) {
+  if (CudaCollectives* cuda = cuda_route(l, tensors, /*point_to_point=*/true)) {
     CudaOp op;
     op.outputs = {tensor};
     op.timeout = default_timeout_;
@@ -804,7 +804,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::recvAnysource(std::vector<at::Ten
   check_count(l, tensors.size(), 1, "tensor");
   check_tensor(l, tensors[0], "tensor");
   at::Tensor tensor = tensors[0];
-  if (CudaCollectives* cuda = cuda_route(l, tensors)) {
+  if (CudaCollectives* cuda = cuda_route(l, tensors, /*point_to_point=*/true)) {
     CudaOp op;
     op.outputs = {tensor};
     op.timeout = default_timeout_;

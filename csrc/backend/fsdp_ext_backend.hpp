@@ -150,9 +150,12 @@ class FsdpExtBackend : public c10d::Backend {
 
   OpLabel label(const char* op) const;
   // The group's CUDA path when `tensors` are CUDA tensors (made at the
-  // group's first CUDA op), nullptr when they are CPU tensors; refuses a mix
-  // of devices, naming both.
-  CudaCollectives* cuda_route(const OpLabel& label, const std::vector<at::Tensor>& tensors);
+  // group's first CUDA collective), nullptr when they are CPU tensors;
+  // refuses a mix of devices, naming both. A point-to-point op cannot make
+  // the path (that is collective) and runs only on a route that has it
+  // (CudaCollectives::runs_point_to_point): else NotImplementedError.
+  CudaCollectives* cuda_route(const OpLabel& label, const std::vector<at::Tensor>& tensors,
+                              bool point_to_point = false);
   // Runs `op` on the CUDA path. Inside a coalescing batch it runs at once
   // (its host exchanges and staged CPU ops bypass the batch) and the batch's
   // Work is its end (Note [CUDA ops in a coalescing batch], coalescing.cpp).

@@ -41,6 +41,7 @@ class CudaPath final : public CudaCollectives {
 
   WorkPtr run(const OpLabel& label, CudaOp op) override;
   std::string describe() const override { return description_; }
+  bool runs_point_to_point() const override { return route_ == Route::kNccl; }
   void shutdown() override;
 
   // The staged route (staged_route.cpp), also where the IPC route cannot

@@ -73,10 +73,20 @@ std::string first_failure(const std::vector<std::vector<uint8_t>>& records) {
   return "";
 }
 
+// The IPC handle of the allocation holding `tensor` and the tensor's offset
+// in it; nullopt when it has none. The caching allocator finds an allocation
+// by the start of its block (the storage's start, not a view's data
+// pointer), and refuses (throws) for expandable segments and memory it did
+// not allocate: those have no legacy handle, and the op is staged.
 std::optional<device::IpcBuffer> export_tensor(const at::Tensor& tensor) {
   size_t allocation_bytes = 0;
-  void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(tensor.data_ptr(),
-                                                                  &allocation_bytes);
+  void* base = nullptr;
+  try {
+    base = c10::cuda::CUDACachingAllocator::getBaseAllocation(tensor.storage().mutable_data(),
+                                                              &allocation_bytes);
+  } catch (const c10::Error&) {
+    return std::nullopt;
+  }
   if (base == nullptr) return std::nullopt;
   return device::export_buffer(base, tensor.data_ptr());
 }
@@ -102,7 +112,7 @@ std::unique_ptr<IpcRoute> IpcRoute::try_create(CudaPath& path, const OpLabel& la
     route->ready_ = std::make_unique<device::SharedEvent>();
     route->mid_ = std::make_unique<device::SharedEvent>();
     route->done_ = std::make_unique<device::SharedEvent>();
-  } catch (const comm::CommError& error) {
+  } catch (const std::exception& error) {
     failure = error.what();
   }
   RecordWriter events;
@@ -133,7 +143,7 @@ std::unique_ptr<IpcRoute> IpcRoute::try_create(CudaPath& path, const OpLabel& la
     }
     exported = export_tensor(probe);
     if (!exported) failure = kNoHandle;
-  } catch (const comm::CommError& error) {
+  } catch (const std::exception& error) {
     failure = error.what();
   }
   RecordWriter buffers;
@@ -152,7 +162,7 @@ std::unique_ptr<IpcRoute> IpcRoute::try_create(CudaPath& path, const OpLabel& la
       reader.get_reason();
       route->peer_memory_.open(peer, reader.get<device::IpcBuffer>(), [] {});
     }
-  } catch (const comm::CommError& error) {
+  } catch (const std::exception& error) {
     failure = error.what();
   }
   RecordWriter opened;
@@ -166,7 +176,8 @@ std::unique_ptr<IpcRoute> IpcRoute::try_create(CudaPath& path, const OpLabel& la
 
 bool IpcRoute::exchange_buffers(const OpLabel& label, const std::vector<at::Tensor>& shared,
                                 std::chrono::milliseconds timeout,
-                                std::vector<std::vector<void*>>* peer_pointers) {
+                                std::vector<std::vector<void*>>* peer_pointers,
+                                std::string* failure_here) {
   const int size = path_.size();
   const int rank = path_.rank();
   RecordWriter mine;
@@ -197,14 +208,21 @@ bool IpcRoute::exchange_buffers(const OpLabel& label, const std::vector<at::Tens
     reader.get<uint8_t>();
     reader.get_reason();
     const auto count = reader.get<uint32_t>();
+    // Every rank sees every record: a mismatch is refused on every rank.
     TORCH_CHECK_VALUE(count == shared.size(), label.prefix(), "rank ", peer, " passed ", count,
                       " tensors where this rank passed ", shared.size());
     for (size_t i = 0; i < shared.size(); ++i) {
       const auto buffer = reader.get<device::IpcBuffer>();
       if (peer == rank) {
         (*peer_pointers)[peer][i] = shared[i].data_ptr();
-      } else if (shared[i].numel() > 0) {
-        (*peer_pointers)[peer][i] = peer_memory_.open(peer, buffer, drain);
+      } else if (shared[i].numel() > 0 && failure_here->empty()) {
+        // A peer's buffer that cannot be opened fails this rank's part; the
+        // next host round tells the others (they are already past this one).
+        try {
+          (*peer_pointers)[peer][i] = peer_memory_.open(peer, buffer, drain);
+        } catch (const std::exception& error) {
+          *failure_here = "opening rank " + std::to_string(peer) + "'s buffer: " + error.what();
+        }
       }
     }
   }
@@ -213,9 +231,21 @@ bool IpcRoute::exchange_buffers(const OpLabel& label, const std::vector<at::Tens
 
 void IpcRoute::all_recorded(const OpLabel& label, device::SharedEvent& event,
                             const std::vector<std::unique_ptr<device::PeerEvent>>& peers,
-                            std::chrono::milliseconds timeout) {
-  event.record(path_.stream().stream());
-  path_.group().exchange_bytes(label, {1}, timeout);
+                            std::chrono::milliseconds timeout, std::string failure_here) {
+  if (failure_here.empty()) {
+    try {
+      event.record(path_.stream().stream());
+    } catch (const std::exception& error) {
+      failure_here = error.what();
+    }
+  }
+  RecordWriter mine;
+  mine.put<uint8_t>(failure_here.empty());
+  mine.put_reason(failure_here);
+  const std::string failure = first_failure(path_.group().exchange_bytes(label, mine.bytes(),
+                                                                         timeout));
+  // Every rank has the same records: all fail here together, none waits on.
+  if (!failure.empty()) C10_THROW_ERROR(DistBackendError, label.prefix() + failure);
   for (int peer = 0; peer < path_.size(); ++peer) {
     if (peer != path_.rank()) peers[peer]->wait(path_.stream().stream());
   }
@@ -229,10 +259,26 @@ WorkPtr IpcRoute::run(const OpLabel& label, CudaOp& op) {
   path_.follow_current_stream();
   ready_->record(stream);
   std::vector<std::vector<void*>> peer;  // [rank][tensor]: where that rank's buffer is mapped
-  if (!exchange_buffers(label, op.inputs, op.timeout, &peer)) return path_.run_staged(label, op);
-  for (int p = 0; p < size; ++p) {
-    if (p != rank) peer_ready_[p]->wait(stream);
+  // This rank's failure after the handles' round: carried by the next round
+  // (`mid` or `done`), where every rank then raises it (Note [a failure
+  // between host rounds] in ipc_route.hpp).
+  std::string failure;
+  if (!exchange_buffers(label, op.inputs, op.timeout, &peer, &failure)) {
+    return path_.run_staged(label, op);
   }
+  const auto guarded = [&failure](auto&& enqueue) {
+    if (!failure.empty()) return;
+    try {
+      enqueue();
+    } catch (const std::exception& error) {
+      failure = error.what();
+    }
+  };
+  guarded([&] {
+    for (int p = 0; p < size; ++p) {
+      if (p != rank) peer_ready_[p]->wait(stream);
+    }
+  });
 
   const auto copy = [stream](void* dst, const void* src, size_t bytes) {
     if (bytes == 0 || dst == src) return;
@@ -242,23 +288,27 @@ WorkPtr IpcRoute::run(const OpLabel& label, CudaOp& op) {
   const auto offset = [](void* base, size_t bytes) { return static_cast<char*>(base) + bytes; };
   switch (op.kind) {
     case CudaOp::Kind::kAllgather:
-      // Each rank pulls every rank's input into its own output.
-      for (size_t i = 0; i < op.inputs.size(); ++i) {
-        const size_t part = op.inputs[i].nbytes();
-        for (int p = 0; p < size; ++p) {
-          copy(offset(op.outputs[i].data_ptr(), p * part), peer[p][i], part);
+      guarded([&] {
+        // Each rank pulls every rank's input into its own output.
+        for (size_t i = 0; i < op.inputs.size(); ++i) {
+          const size_t part = op.inputs[i].nbytes();
+          for (int p = 0; p < size; ++p) {
+            copy(offset(op.outputs[i].data_ptr(), p * part), peer[p][i], part);
+          }
         }
-      }
+      });
       break;
     case CudaOp::Kind::kReduceScatter:
       // Each rank reduces its block of every rank's input.
-      for (size_t i = 0; i < op.inputs.size(); ++i) {
-        const size_t part = op.outputs[i].nbytes();
-        std::vector<const void*> blocks(size);
-        for (int p = 0; p < size; ++p) blocks[p] = offset(peer[p][i], rank * part);
-        device::reduce_on_device(op.outputs[i].data_ptr(), blocks.data(), size,
-                                 op.outputs[i].numel(), op.spec, stream);
-      }
+      guarded([&] {
+        for (size_t i = 0; i < op.inputs.size(); ++i) {
+          const size_t part = op.outputs[i].nbytes();
+          std::vector<const void*> blocks(size);
+          for (int p = 0; p < size; ++p) blocks[p] = offset(peer[p][i], rank * part);
+          device::reduce_on_device(op.outputs[i].data_ptr(), blocks.data(), size,
+                                   op.outputs[i].numel(), op.spec, stream);
+        }
+      });
       break;
     case CudaOp::Kind::kAllreduce: {
       // Phase 1: each rank reduces its share of every tensor in its own
@@ -270,31 +320,39 @@ WorkPtr IpcRoute::run(const OpLabel& label, CudaOp& op) {
         const int64_t end = std::min<int64_t>(t.numel(), begin + per);
         return std::make_pair(begin * t.element_size(), (end - begin));
       };
-      for (size_t i = 0; i < op.inputs.size(); ++i) {
-        const auto [begin, count] = share(op.inputs[i], rank);
-        std::vector<const void*> blocks(size);
-        for (int p = 0; p < size; ++p) blocks[p] = offset(peer[p][i], begin);
-        device::reduce_on_device(offset(op.inputs[i].data_ptr(), begin), blocks.data(), size,
-                                 count, op.spec, stream);
-      }
-      all_recorded(label, *mid_, peer_mid_, op.timeout);
-      for (size_t i = 0; i < op.inputs.size(); ++i) {
-        for (int p = 0; p < size; ++p) {
-          if (p == rank) continue;
-          const auto [begin, count] = share(op.inputs[i], p);
-          copy(offset(op.inputs[i].data_ptr(), begin), offset(peer[p][i], begin),
-               count * op.inputs[i].element_size());
+      guarded([&] {
+        for (size_t i = 0; i < op.inputs.size(); ++i) {
+          const auto [begin, count] = share(op.inputs[i], rank);
+          std::vector<const void*> blocks(size);
+          for (int p = 0; p < size; ++p) blocks[p] = offset(peer[p][i], begin);
+          device::reduce_on_device(offset(op.inputs[i].data_ptr(), begin), blocks.data(), size,
+                                   count, op.spec, stream);
         }
-      }
+      });
+      all_recorded(label, *mid_, peer_mid_, op.timeout, failure);
+      guarded([&] {
+        for (size_t i = 0; i < op.inputs.size(); ++i) {
+          for (int p = 0; p < size; ++p) {
+            if (p == rank) continue;
+            const auto [begin, count] = share(op.inputs[i], p);
+            copy(offset(op.inputs[i].data_ptr(), begin), offset(peer[p][i], begin),
+                 count * op.inputs[i].element_size());
+          }
+        }
+      });
       break;
     }
     case CudaOp::Kind::kBroadcast:
-      if (rank != op.root) copy(op.inputs[0].data_ptr(), peer[op.root][0], op.inputs[0].nbytes());
+      guarded([&] {
+        if (rank != op.root) {
+          copy(op.inputs[0].data_ptr(), peer[op.root][0], op.inputs[0].nbytes());
+        }
+      });
       break;
     case CudaOp::Kind::kOther:
       TORCH_INTERNAL_ASSERT(false, "the IPC route got an op it does not implement");
   }
-  all_recorded(label, *done_, peer_done_, op.timeout);
+  all_recorded(label, *done_, peer_done_, op.timeout, failure);
   path_.record_stream(op);
   return c10::make_intrusive<CudaWork>(rank, c10d::OpType::UNKNOWN, label.op, op.outputs,
                                        path_.stream());

@@ -13,6 +13,13 @@
 //      peer still reads this rank's buffers. The Work is that end.
 // A rank whose buffer has no legacy IPC handle says so in step 2, and every
 // rank stages that op instead.
+//
+// Note [a failure between host rounds]: a rank that fails after a round (a
+// peer's buffer it cannot open, a CUDA call that errs) must not leave its
+// peers waiting in the next round until the op's timeout. Every round after
+// the handles' carries an ok byte and a reason; a failing rank enqueues
+// nothing more and goes on to that round, and after it every rank has the
+// same records, so all raise the first failure (naming its rank) together.
 #pragma once
 
 #include <chrono>
@@ -43,15 +50,18 @@ class IpcRoute {
   explicit IpcRoute(CudaPath& path) : path_(path) {}
 
   // Steps 1-3: this rank's shared buffers exported and exchanged; false (on
-  // every rank) when some rank's buffer has no handle.
+  // every rank) when some rank's buffer has no handle. A peer's buffer this
+  // rank cannot open sets `failure_here` (Note [a failure between host rounds]).
   bool exchange_buffers(const OpLabel& label, const std::vector<at::Tensor>& shared,
                         std::chrono::milliseconds timeout,
-                        std::vector<std::vector<void*>>* peer_pointers);
-  // A host round in which every rank says it recorded `event`; then the
-  // stream waits for each peer's record of it.
+                        std::vector<std::vector<void*>>* peer_pointers,
+                        std::string* failure_here);
+  // A host round in which every rank says it recorded `event` (or why it
+  // failed: then every rank raises DistBackendError); then the stream waits
+  // for each peer's record of it.
   void all_recorded(const OpLabel& label, device::SharedEvent& event,
                     const std::vector<std::unique_ptr<device::PeerEvent>>& peers,
-                    std::chrono::milliseconds timeout);
+                    std::chrono::milliseconds timeout, std::string failure_here);
 
   CudaPath& path_;
   std::unique_ptr<device::SharedEvent> ready_, mid_, done_;

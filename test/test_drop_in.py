@@ -184,6 +184,55 @@ def test_modules_of_upstreams_runtime_are_refused_by_ours_with_a_clear_error():
             assert "torch.distributed.fsdp.fully_shard, not torch_fsdp_ext's" in message, message
 
 
+def check_memory_trackers(ctx):
+    """torch's FSDPMemTracker on our module: refused at its start, naming the
+    tool and MemTracker, with the module's hooks untouched (a step runs after);
+    on upstream's it runs (the tool works in this torch); MemTracker on ours."""
+    import torch.distributed.fsdp as upstream
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import torch_fsdp_ext
+
+    results = {}
+    for name, shard in (("ours", torch_fsdp_ext.fully_shard), ("upstream", upstream.fully_shard)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        for block in model:
+            shard(block, mesh=_mesh())
+        shard(model, mesh=_mesh())
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        tracker = FSDPMemTracker(model, optim)
+        try:
+            with tracker:
+                model(torch.ones(2, 8)).sum().backward()
+                optim.step()
+            results[name] = "ran"
+        except NotImplementedError as error:
+            results[name] = f"NotImplementedError: {error}"
+        model(torch.ones(2, 8)).sum().backward()  # the hooks still work
+        optim.step()
+    tracker = MemTracker()
+    model = torch_fsdp_ext.fully_shard(nn.Linear(8, 8), mesh=_mesh())
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker.track_external(model, optim)
+    with tracker:
+        model(torch.ones(2, 8)).sum().backward()
+        optim.step()
+    results["MemTracker peak"] = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return results
+
+
+def test_fsdp_mem_tracker_refuses_our_modules_up_front():
+    for results in get_pool(2).run(check_memory_trackers):
+        assert results["upstream"] == "ran", results
+        ours = results["ours"]
+        assert ours.startswith("NotImplementedError") and "FSDPMemTracker" in ours, ours
+        assert "mem_tracker.MemTracker" in ours and "Linear" in ours, ours  # the first block
+        # Parameters, gradients and activations of the 8x8 layer (its shard) at least.
+        assert results["MemTracker peak"] > 0, results
+
+
 # --------------------------------------------------------------------------
 # use_as_fully_shard
 

@@ -77,6 +77,19 @@ class RegisterPostBackwardFunction(torch.autograd.Function):
         return (None, None) + grads
 
 
+def _refuse_upstream_hook_tool(state: "FSDPState", attribute: str) -> NotImplementedError:
+    modules = ", ".join(type(m).__name__ for m in state._modules) or "a module"
+    return NotImplementedError(
+        f"{attribute} was read from torch_fsdp_ext's FSDP state of {modules}: that is upstream "
+        "FSDP2's hook handle, which tools that re-wire upstream's hooks use (torch.distributed."
+        "_tools.fsdp2_mem_tracker.FSDPMemTracker). torch_fsdp_ext's fully_shard keeps its hooks "
+        "and parameter groups in its own runtime, so such a tool cannot instrument it. For memory "
+        "by module and phase (forward, backward, optimizer step) use torch.distributed._tools."
+        "mem_tracker.MemTracker, which works on these modules (docs/design.md, \"torch's FSDP "
+        "tools\")."
+    )
+
+
 class FSDPState(_State):
     def __init__(self) -> None:
         super().__init__()
@@ -112,6 +125,20 @@ class FSDPState(_State):
                 "use _fsdp_param_groups"
             )
         return groups[0] if groups else None
+
+    # Upstream's hook handles, which tools that re-wire upstream FSDP2's hooks
+    # read first (torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker
+    # swaps them for its own, then patches FSDPParamGroup methods and reads
+    # FSDPParam storage). Our hooks and groups live in our runtime, so such a
+    # tool cannot instrument ours: a clear refusal here, before it changes
+    # anything, instead of a deep AttributeError.
+    @property
+    def _pre_forward_hook_handle(self):
+        raise _refuse_upstream_hook_tool(self, "_pre_forward_hook_handle")
+
+    @property
+    def _post_forward_hook_handle(self):
+        raise _refuse_upstream_hook_tool(self, "_post_forward_hook_handle")
 
     # Set-up ------------------------------------------------------------------
 

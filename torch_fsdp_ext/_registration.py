@@ -32,10 +32,16 @@ def _nccl_factory(dist_backend_opts):
     store = dist.PrefixStore("fsdp_ext/nccl/", dist_backend_opts.store)
     rank, size = dist_backend_opts.group_rank, dist_backend_opts.group_size
     timeout = dist_backend_opts.timeout
+    # The outer group's identity, as torch gives its own NCCL groups: NCCL's
+    # logs and flight recorder then name the group and its global ranks.
+    global_ranks = list(dist_backend_opts.global_ranks_in_group)
+    group_name = str(dist_backend_opts.group_id)
 
     def make():
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
+        options.global_ranks_in_group = global_ranks
+        options.group_name = group_name
         return dist.ProcessGroupNCCL(store, rank, size, options)
 
     return make

@@ -169,3 +169,74 @@ def test_layouts_of_a_parameter_sharded_on_another_dim(world_size, shape, dim):
     rs_input = torch.empty(gathered.numel())
     _C._fsdp_reduce_scatter_copy_in([full, other], world_size, rs_input, [dim, 0])
     assert torch.equal(rs_input, gathered)
+
+
+# The device implementations (torch's fused ops: cat, split_with_sizes_copy,
+# _chunk_cat), which a CUDA mesh runs, are callable on host tensors: here they
+# must write exactly the host loops' bytes, at the matrix's corners (mixed
+# dtypes in a byte buffer, a cast, a dim-1 shard, an empty and a 1-element
+# parameter, world sizes 1 and 3).
+DEVICE_CASES = [
+    # (shapes, parameter dtypes, gather dtypes, shard dims)
+    ([(5, 3), (1,), (0, 4), (7,)], [torch.float32] * 4, [torch.float32] * 4, [0, 0, 0, 0]),
+    ([(5, 3), (7,), (3,)], [torch.float32, torch.bfloat16, torch.int64],
+     [torch.float32, torch.bfloat16, torch.int64], [0, 0, 0]),
+    ([(4, 6), (3,)], [torch.float32] * 2, [torch.bfloat16] * 2, [0, 0]),
+    ([(3, 6), (5,), (2, 3, 6)], [torch.float32] * 3, [torch.float32] * 3, [1, 0, 2]),
+]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("case", range(len(DEVICE_CASES)))
+def test_device_implementations_write_the_host_layouts(case, world_size):
+    shapes, dtypes, gather_dtypes, dims = DEVICE_CASES[case]
+    # Rank r's shard of each parameter: its r-th chunk along its shard dim
+    # (dim 0 padded to the chunk size, as the runtime pads it).
+    full = [values(shape, dtype, salt=3 * i + 1) for i, (shape, dtype) in
+            enumerate(zip(shapes, dtypes))]
+
+    def shard(t, dim, r):
+        if dim == 0:
+            rows = -(-t.shape[0] // world_size) if t.shape[0] else 0
+            padded = torch.zeros((rows * world_size, *t.shape[1:]), dtype=t.dtype)
+            padded[: t.shape[0]] = t
+            return padded.narrow(0, rows * r, rows).contiguous()
+        return t.chunk(world_size, dim)[r].contiguous()
+
+    if any(d and s[d] % world_size for s, d in zip(shapes, dims)):
+        pytest.skip("uneven Shard(d > 0) is not a valid layout")
+    buffer_dtype = gather_dtypes[0] if len(set(gather_dtypes)) == 1 else torch.uint8
+    chunk_bytes = sum(shard(t, d, 0).numel() * g.itemsize
+                      for t, d, g in zip(full, dims, gather_dtypes))
+    elements = chunk_bytes // buffer_dtype.itemsize
+    host = torch.full((elements * world_size,), 0).to(buffer_dtype)
+    device = host.clone()
+    for r in range(world_size):
+        shards = [shard(t, d, r) for t, d in zip(full, dims)]
+        _C._fsdp_all_gather_copy_in(shards, host, r, world_size, gather_dtypes)
+        _C._fsdp_device_all_gather_copy_in(shards, gather_dtypes,
+                                           device.narrow(0, elements * r, elements))
+    assert torch.equal(host.view(torch.uint8), device.view(torch.uint8))
+
+    splits = [shard(t, d, 0).numel() for t, d in zip(full, dims)]
+
+    def outputs():
+        # A dim-0 parameter's output is flat (world x split); a Shard(d > 0)
+        # one has the unsharded shape.
+        return [torch.zeros(t.shape if d else (s * world_size,), dtype=g)
+                for s, g, t, d in zip(splits, gather_dtypes, full, dims)]
+
+    host_outs, device_outs = outputs(), outputs()
+    _C._fsdp_all_gather_copy_out(host, splits, world_size, host_outs, dims)
+    _C._fsdp_device_all_gather_copy_out(device, splits, world_size, device_outs, dims)
+    for mine, theirs in zip(device_outs, host_outs):
+        assert torch.equal(mine, theirs)
+
+    grads = [values(shape, dtypes[0], salt=5 * i + 2) for i, shape in enumerate(shapes)]
+    row = sum(shard(g, d, 0).numel() for g, d in zip(grads, dims))
+    reduce_dtype = torch.bfloat16 if case == 2 else dtypes[0]
+    host_in = torch.full((row * world_size,), 0).to(reduce_dtype)
+    device_in = torch.full((row * world_size,), 9).to(reduce_dtype)
+    _C._fsdp_reduce_scatter_copy_in(grads, world_size, host_in, dims)
+    _C._fsdp_device_reduce_scatter_copy_in(grads, world_size, device_in, dims)
+    assert torch.equal(host_in, device_in)

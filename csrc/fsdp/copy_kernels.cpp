@@ -6,14 +6,19 @@
 #include <cstring>
 #include <string>
 
+#include "fsdp/copy_kernels_device.hpp"
 #include "fsdp/shard_extent.hpp"
 
 namespace fsdp_ext::fsdp {
 namespace {
 
-void check_dense(const char* kernel, const at::Tensor& tensor, const std::string& what) {
-  TORCH_CHECK_VALUE(tensor.device().is_cpu(), "fsdp_ext ", kernel, ": ", what,
-                    " must be a CPU tensor, got ", tensor.device().str());
+// `device`: where the kernel runs (its flat buffer's device); every tensor
+// must be there.
+void check_dense(const char* kernel, const at::Tensor& tensor, const std::string& what,
+                 c10::Device device) {
+  TORCH_CHECK_VALUE(tensor.device() == device, "fsdp_ext ", kernel, ": ", what,
+                    " must be on ", device.str(), " (the flat buffer's device), got ",
+                    tensor.device().str());
   TORCH_CHECK_VALUE(tensor.is_contiguous(), "fsdp_ext ", kernel, ": ", what,
                     " must be contiguous");
 }
@@ -42,6 +47,15 @@ int64_t byte_size(int64_t numel, at::ScalarType dtype) {
 void copy_cast_raw(void* destination, at::ScalarType dtype, const at::Tensor& source) {
   const int64_t numel = source.numel();
   if (numel == 0 || destination == source.data_ptr()) return;
+  if (!source.is_cpu()) {
+    // A device copy (a kernel on the current stream), through an alias.
+    at::for_blob(destination, {numel})
+        .options(source.options().dtype(dtype))
+        .target_device(source.device())
+        .make_tensor()
+        .copy_(source.view({numel}));
+    return;
+  }
   if (source.scalar_type() == dtype) {
     std::memcpy(destination, source.data_ptr(), source.nbytes());
     return;
@@ -51,6 +65,8 @@ void copy_cast_raw(void* destination, at::ScalarType dtype, const at::Tensor& so
 }
 
 bool equals_cast_raw(const void* destination, at::ScalarType dtype, const at::Tensor& source) {
+  TORCH_CHECK_VALUE(source.is_cpu(), "fsdp_ext equals_cast_raw: host memory only, got ",
+                    source.device().str());
   const int64_t numel = source.numel();
   if (numel == 0 || destination == source.data_ptr()) return true;
   if (source.scalar_type() == dtype) {
@@ -103,11 +119,11 @@ at::Tensor all_gather_copy_in(const std::vector<at::Tensor>& shards,
                     " is outside [0, ", world_size, ")");
   TORCH_CHECK_VALUE(shards.size() == gather_dtypes.size(), "fsdp_ext ", kKernel, ": ",
                     shards.size(), " shards but ", gather_dtypes.size(), " all-gather dtypes");
-  check_dense(kKernel, output, "the output");
+  check_dense(kKernel, output, "the output", output.device());
   int64_t chunk_bytes = 0;
   for (size_t i = 0; i < shards.size(); ++i) {
     const std::string what = "shard " + std::to_string(i);
-    check_dense(kKernel, shards[i], what);
+    check_dense(kKernel, shards[i], what, output.device());
     check_dtype(kKernel, gather_dtypes[i], what + "'s all-gather dtype", output.scalar_type());
     chunk_bytes += byte_size(shards[i].numel(), gather_dtypes[i]);
   }
@@ -116,6 +132,10 @@ at::Tensor all_gather_copy_in(const std::vector<at::Tensor>& shards,
                     " bytes but world_size * (sum of shard sizes) is ", chunk_bytes * world_size);
   const int64_t chunk_numel = chunk_bytes / static_cast<int64_t>(output.element_size());
   at::Tensor input = output.view({-1}).narrow(0, chunk_numel * rank, chunk_numel);
+  if (!output.is_cpu()) {
+    device_kernels::all_gather_copy_in(shards, gather_dtypes, input);
+    return input;
+  }
   char* cursor = bytes_of(input);
   for (size_t i = 0; i < shards.size(); ++i) {
     copy_cast_raw(cursor, gather_dtypes[i], shards[i]);
@@ -130,7 +150,7 @@ void all_gather_copy_out(const at::Tensor& output, const std::vector<int64_t>& s
   constexpr const char* kKernel = "all_gather_copy_out";
   check_world(kKernel, world_size);
   check_shard_dims(kKernel, shard_dims, outputs.size());
-  check_dense(kKernel, output, "the all-gather output");
+  check_dense(kKernel, output, "the all-gather output", output.device());
   TORCH_CHECK_VALUE(split_sizes.size() == outputs.size(), "fsdp_ext ", kKernel, ": ",
                     split_sizes.size(), " split sizes for ", outputs.size(), " outputs");
   int64_t chunk_bytes = 0;
@@ -138,7 +158,7 @@ void all_gather_copy_out(const at::Tensor& output, const std::vector<int64_t>& s
     const std::string what = "output " + std::to_string(i);
     TORCH_CHECK_VALUE(split_sizes[i] >= 0, "fsdp_ext ", kKernel, ": split size ", i,
                       " is negative");
-    check_dense(kKernel, outputs[i], what);
+    check_dense(kKernel, outputs[i], what, output.device());
     check_dtype(kKernel, outputs[i].scalar_type(), what, output.scalar_type());
     TORCH_CHECK_VALUE(outputs[i].numel() == split_sizes[i] * world_size, "fsdp_ext ", kKernel,
                       ": output ", i, " has ", outputs[i].numel(), " elements, expected ",
@@ -152,6 +172,10 @@ void all_gather_copy_out(const at::Tensor& output, const std::vector<int64_t>& s
   TORCH_CHECK_VALUE(static_cast<int64_t>(output.nbytes()) == chunk_bytes * world_size,
                     "fsdp_ext ", kKernel, ": the all-gather output has ", output.nbytes(),
                     " bytes, expected ", chunk_bytes * world_size);
+  if (!output.is_cpu()) {
+    device_kernels::all_gather_copy_out(output, split_sizes, world_size, outputs, shard_dims);
+    return;
+  }
   // Destinations sharded on dim d > 0 are written through tensors of their
   // own (not views of outputs[i]): the unsharded parameter's version counter
   // must not move (see copy_cast_raw).
@@ -185,17 +209,21 @@ void reduce_scatter_copy_in(const std::vector<at::Tensor>& gradients, int64_t wo
   constexpr const char* kKernel = "reduce_scatter_copy_in";
   check_world(kKernel, world_size);
   check_shard_dims(kKernel, shard_dims, gradients.size());
-  check_dense(kKernel, output, "the output");
+  check_dense(kKernel, output, "the output", output.device());
   TORCH_CHECK_TYPE(output.scalar_type() != at::kByte, "fsdp_ext ", kKernel,
                    ": the output must have the reduce dtype, not uint8");
   int64_t row_numel = 0;
   for (size_t i = 0; i < gradients.size(); ++i) {
-    check_dense(kKernel, gradients[i], "gradient " + std::to_string(i));
+    check_dense(kKernel, gradients[i], "gradient " + std::to_string(i), output.device());
     row_numel += padded_chunk_numel(gradients[i].sizes(), world_size, dim_of(shard_dims, i));
   }
   TORCH_CHECK_VALUE(output.numel() == row_numel * world_size, "fsdp_ext ", kKernel,
                     ": the output has ", output.numel(), " elements, expected ",
                     row_numel * world_size);
+  if (!output.is_cpu()) {
+    device_kernels::reduce_scatter_copy_in(gradients, world_size, output, shard_dims);
+    return;
+  }
   const at::ScalarType dtype = output.scalar_type();
   const size_t element = output.element_size();
   char* destination = bytes_of(output);

@@ -19,8 +19,13 @@
 // parameter then occupies its own bytes in the chunk). Copy-in casts a shard
 // to its all-gather dtype on the way (mixed precision: fp32 shard, bf16
 // gather); the reduce-scatter copy-in casts gradients to the buffer's dtype
-// (reduce_dtype). Every tensor must be a contiguous CPU tensor; violations
-// raise ValueError / TypeError naming the kernel and the offending tensor.
+// (reduce_dtype). Every tensor must be contiguous and on the flat buffer's
+// device; violations raise ValueError / TypeError naming the kernel and the
+// offending tensor.
+//
+// On the host these are loops of memcpy and casts. On an accelerator they
+// are torch's fused device ops, one launch each where upstream has one
+// (copy_kernels_device.hpp), on the caller's current stream.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -67,7 +72,7 @@ int64_t padded_chunk_numel(at::IntArrayRef sizes, int64_t world_size, int64_t sh
 // saved views of an unsharded parameter must not see a new version).
 void copy_cast_raw(void* destination, at::ScalarType dtype, const at::Tensor& source);
 // Whether copy_cast_raw(destination, dtype, source) would leave every byte
-// at `destination` as it is.
+// at `destination` as it is (host memory only).
 bool equals_cast_raw(const void* destination, at::ScalarType dtype, const at::Tensor& source);
 
 }  // namespace fsdp_ext::fsdp

@@ -15,6 +15,7 @@
 #include "comm/peer_liveness.h"
 #include "comm/ucx_library.h"
 #include "fsdp/copy_kernels.hpp"
+#include "fsdp/copy_kernels_device.hpp"
 
 namespace py = pybind11;
 using fsdp_ext::backend::FsdpExtBackend;
@@ -188,6 +189,18 @@ PYBIND11_MODULE(_C, m) {
         py::arg("gradients"), py::arg("world_size"), py::arg("output"),
         py::arg("shard_dims") = std::vector<int64_t>(),
         "Write gradients in the reduce-scatter input layout (torch._chunk_cat's).");
+
+  // The same layouts with the device implementations (torch's fused ops),
+  // callable on host tensors too, so that tests here check them against the
+  // host loops (csrc/fsdp/copy_kernels_device.hpp).
+  m.def("_fsdp_device_all_gather_copy_in", &fsdp_ext::fsdp::device_kernels::all_gather_copy_in,
+        py::arg("shards"), py::arg("gather_dtypes"), py::arg("input"));
+  m.def("_fsdp_device_all_gather_copy_out", &fsdp_ext::fsdp::device_kernels::all_gather_copy_out,
+        py::arg("output"), py::arg("split_sizes"), py::arg("world_size"), py::arg("outputs"),
+        py::arg("shard_dims"));
+  m.def("_fsdp_device_reduce_scatter_copy_in",
+        &fsdp_ext::fsdp::device_kernels::reduce_scatter_copy_in, py::arg("gradients"),
+        py::arg("world_size"), py::arg("output"), py::arg("shard_dims"));
 
   m.def("_shutdown_all", &FsdpExtBackend::shutdown_all,
         py::call_guard<py::gil_scoped_release>(),

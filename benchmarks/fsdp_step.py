@@ -5,6 +5,7 @@ over fsdp_ext, in the same processes.
                                    [--configs fp32,bf16] [--no-memory]
     python benchmarks/fsdp_step.py --world-size 4 --configs hsdp
     python benchmarks/fsdp_step.py --hosts 2 [--ranks-per-host 1] [--netem-rate-mbit 10000]
+    python benchmarks/fsdp_step.py --device cuda [--world-sizes 1,2] [--steps 12]
 
 Contenders (each trains its own copy of the same model, same seeds and data;
 one step each in turn, so host noise hits all alike; --order blocked runs all
@@ -439,8 +440,21 @@ def main():
     parser.add_argument("--ranks-per-host", type=int, default=1)
     parser.add_argument("--netem-rate-mbit", type=int, default=None,
                         help="--hosts 2: shape the link between the hosts to this rate")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: ours vs upstream on a CUDA mesh, NCCL at world size 1 and "
+                        "fsdp_ext at 2 on the one GPU (_cuda_fsdp_step.py; --world-sizes, "
+                        "--models and --steps apply)")
+    parser.add_argument("--world-sizes", default="1,2", help="--device cuda: comma-separated")
     parser.add_argument("--torchrun-worker", metavar="RESULT_FILE", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.device == "cuda":
+        import _cuda_fsdp_step
+
+        output = args.output or os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                             "results", "fsdp_step_cuda.json")
+        os.makedirs(os.path.dirname(output), exist_ok=True)
+        return _cuda_fsdp_step.run([int(w) for w in args.world_sizes.split(",")],
+                                   args.models.split(","), args.steps, output)
     if args.output is None:
         name = "fsdp_step.json" if args.hosts == 1 else "fsdp_step_2hosts.json"
         args.output = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)

@@ -368,3 +368,43 @@ def test_group_creation_logs_one_line(tmp_path, shared_memory, bind):
         transports = lines[0].split("UCX transports: ")[1]
         assert transports.endswith(" (this host)"), lines[0]
         assert all("/" in name for name in transports[:-len(" (this host)")].split()), lines[0]
+
+
+def check_device_mesh_checks(ctx):
+    """The checks fully_shard runs for a CUDA mesh, which need no GPU to
+    decide: a process group without a backend for the device's tensors, and
+    parameters found elsewhere than the mesh's device at the first forward."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from torch_fsdp_ext import fully_shard
+    from torch_fsdp_ext.fsdp import _init
+
+    messages = {}
+    host_only = DeviceMesh.from_group(dist.new_group(backend="cpu:gloo"), "cpu")
+    info = _init.mesh_info(host_only)
+    try:
+        _init.check_device_backends(info, torch.device("cuda", 0), nn.Linear(2, 2))
+    except ValueError as error:
+        messages["backend"] = str(error)
+    # The same group carries host tensors: nothing to refuse there.
+    _init.check_device_backends(info, torch.device("cpu"), nn.Linear(2, 2))
+    model = fully_shard(nn.Sequential(nn.Linear(4, 4)))
+    model(torch.randn(2, 4))  # lazy init: parameters get their names in the model
+    groups = model._get_fsdp_state()._fsdp_param_groups
+    try:
+        _init.check_params_on_device(groups, torch.device("cuda", 0), "Sequential")
+    except ValueError as error:
+        messages["params"] = str(error)
+    _init.check_params_on_device(groups, torch.device("cpu"), "Sequential")
+    return messages
+
+
+def test_device_mesh_checks_name_the_module_group_and_parameters(pool2):
+    for messages in pool2.run(check_device_mesh_checks):
+        assert messages["backend"].startswith("torch_fsdp_ext.fully_shard(Linear): the mesh is "
+                                              "on cuda, but its shard process group"), messages
+        assert "has no backend for cuda tensors" in messages["backend"], messages
+        assert "('cpu:gloo'" in messages["backend"], messages
+        assert "the mesh is on cuda:0, but these parameters are elsewhere" in messages["params"]
+        assert "('0.weight', 'cpu')" in messages["params"], messages

@@ -81,10 +81,19 @@ WorkPtr CollectiveGroup::all_gather(at::Tensor& output, at::Tensor& input) const
   return without_gil([&] { return group_->_allgather_base(output, input); });
 }
 
-bool CollectiveGroup::is_ours(c10::DeviceType device, Purpose purpose) const {
+bool CollectiveGroup::averages(c10::DeviceType device, Purpose purpose) const {
+  if (is_ours(device, purpose)) return true;
   const pybind11::object& custom =
-      purpose == Purpose::kAllGather ? custom_all_gather_ : custom_reduce_scatter_;
-  if (!group_ || python_impl_ || is_set(custom)) return false;
+      purpose == Purpose::kReduceScatter ? custom_reduce_scatter_ : custom_all_gather_;
+  if (!group_ || python_impl_ || (purpose != Purpose::kAllReduce && is_set(custom))) return false;
+  return group_->getBackend(device)->getBackendName() == "nccl";
+}
+
+bool CollectiveGroup::is_ours(c10::DeviceType device, Purpose purpose) const {
+  if (!group_ || python_impl_) return false;
+  // No custom comm for the all-reduce.
+  if (purpose == Purpose::kAllGather && is_set(custom_all_gather_)) return false;
+  if (purpose == Purpose::kReduceScatter && is_set(custom_reduce_scatter_)) return false;
   return group_->getBackend(device)->getBackendName() == "fsdp_ext";
 }
 
@@ -107,7 +116,7 @@ WorkPtr CollectiveGroup::reduce_scatter_coalesced(std::vector<at::Tensor>& outpu
 WorkPtr CollectiveGroup::reduce_scatter(at::Tensor& output, at::Tensor& input,
                                         std::optional<double> premul, bool average) const {
   if (average) {
-    TORCH_INTERNAL_ASSERT(!premul && is_ours(input.device().type(), Purpose::kReduceScatter));
+    TORCH_INTERNAL_ASSERT(!premul && averages(input.device().type(), Purpose::kReduceScatter));
     c10d::ReduceScatterOptions options;
     options.reduceOp = c10d::ReduceOp::AVG;
     return without_gil([&] { return group_->_reduce_scatter_base(output, input, options); });
@@ -144,7 +153,14 @@ WorkPtr CollectiveGroup::reduce_scatter(at::Tensor& output, at::Tensor& input,
 
 #pragma GCC diagnostic pop
 
-WorkPtr CollectiveGroup::all_reduce(at::Tensor& tensor) const {
+WorkPtr CollectiveGroup::all_reduce(at::Tensor& tensor, bool average) const {
+  if (average) {
+    TORCH_INTERNAL_ASSERT(averages(tensor.device().type(), Purpose::kAllReduce));
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::AVG;
+    std::vector<at::Tensor> tensors{tensor};
+    return without_gil([&] { return group_->allreduce(tensors, options); });
+  }
   if (python_impl_) {
     py::gil_scoped_acquire gil;
     py::kwargs kwargs;

@@ -55,7 +55,8 @@ class FSDP_EXT_HIDDEN CollectiveGroup {
   // `average`: ReduceOp.AVG, only where is_ours(device, kReduceScatter).
   WorkPtr reduce_scatter(at::Tensor& output, at::Tensor& input,
                          std::optional<double> premul = std::nullopt, bool average = false) const;
-  WorkPtr all_reduce(at::Tensor& tensor) const;
+  // `average`: ReduceOp.AVG, only where averages(device, kAllReduce).
+  WorkPtr all_reduce(at::Tensor& tensor, bool average = false) const;
   // Point-to-point, for host-shared parameters' exchange across hosts
   // (host_shared_parameters.hpp); not for Python groups (refused earlier).
   WorkPtr send(at::Tensor& tensor, int64_t peer, int tag) const;
@@ -71,13 +72,17 @@ class FSDP_EXT_HIDDEN CollectiveGroup {
   WorkPtr reduce_scatter_coalesced(std::vector<at::Tensor>& outputs,
                                    std::vector<at::Tensor>& inputs, bool average) const;
 
-  enum class Purpose { kAllGather, kReduceScatter };
+  enum class Purpose { kAllGather, kReduceScatter, kAllReduce };
   // Whether this group's collective for `purpose` runs on our backend (no
   // custom comm, not a Python group). Our AVG is SUM then the divide the
   // runtime would make after it (the same bits), fused into the reduction's
   // last pass, so the runtime may ask for it; gloo's reduce-scatter has no
   // AVG and a custom comm is always handed SUM.
   bool is_ours(c10::DeviceType device, Purpose purpose) const;
+  // Whether ReduceOp.AVG may be asked for: ours, or NCCL (which divides in
+  // its kernel; upstream asks NCCL for AVG, so a device mesh must too for
+  // the same bits). Never with a custom comm, which is handed SUM.
+  bool averages(c10::DeviceType device, Purpose purpose) const;
   // A 1-D buffer for a collective of `purpose` on this group: from the
   // custom comm's allocate when one is set; else from the group's backend
   // allocator when asked and it has one (fsdp_ext on one host: peers read it

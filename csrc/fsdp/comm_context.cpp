@@ -20,14 +20,74 @@ void FsdpCommContext::finish_reduces(size_t keep) {
   }
 }
 
+void FsdpCommContext::use_device(c10::Device device, bool enabled) {
+  if (streams_) {
+    TORCH_CHECK_VALUE(streams_->device() == device, "fsdp_ext: one FSDP root spans devices ",
+                      streams_->device().str(), " and ", device.str(),
+                      "; every module of a root must shard onto the same device");
+    return;
+  }
+  if (enabled) streams_ = std::make_unique<FsdpStreams>(device);
+}
+
+void FsdpCommContext::root_pre_forward() {
+  if (!streams_) return;
+  const c10::Stream current = streams_->current();
+  streams_->wait_stream(streams_->all_gather_copy_in(), current);
+  streams_->wait_stream(streams_->all_gather(), current);
+}
+
+void FsdpCommContext::release_all_gather_state() {
+  if (!all_gather_state) return;
+  if (streams_) streams_->all_gather_streams_wait(all_gather_state->event);
+  all_gather_state.reset();
+}
+
+void FsdpCommContext::add_post_reduce_event(c10::Stream stream, StreamEvent event) {
+  for (auto& [known, last] : post_reduce_events_) {
+    if (known == stream) {
+      last = std::move(event);
+      return;
+    }
+  }
+  post_reduce_events_.emplace_back(stream, std::move(event));
+}
+
+void FsdpCommContext::release_reduce_scatter_states(size_t keep) {
+  while (reduce_scatter_states.size() > keep) {
+    if (streams_) FsdpStreams::wait_event(streams_->current(), reduce_scatter_states.front().event);
+    reduce_scatter_states.pop_front();
+  }
+}
+
+void FsdpCommContext::wait_device_reductions() {
+  if (streams_) {
+    const c10::Stream current = streams_->current();
+    for (const auto& entry : post_reduce_events_) FsdpStreams::wait_event(current, entry.second);
+  }
+  post_reduce_events_.clear();
+  post_reduce_buffers.clear();
+  release_reduce_scatter_states(0);
+}
+
+std::vector<c10::Stream> FsdpCommContext::all_gather_streams() const {
+  if (!streams_) return {};
+  return {streams_->all_gather_copy_in(), streams_->all_gather()};
+}
+
 void FsdpCommContext::finish_backward(bool is_last_backward) {
   finish_reduces(0);
+  // Device reductions completed in stream order: the compute stream (the
+  // optimizer's) waits for them, and the held inputs are released.
+  wait_device_reductions();
   // The forward order is kept across microbatches (each backward prefetches
   // through it) and dropped once the step's last backward is done.
   if (is_last_backward) post_forward_order.clear();
 }
 
 void FsdpCommContext::drop_reduces() {
+  wait_device_reductions();
+  release_all_gather_state();
   while (!reduces_.empty()) {
     PendingReduce reduce = std::move(reduces_.front());
     reduces_.pop_front();

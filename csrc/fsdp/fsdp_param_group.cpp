@@ -2,6 +2,7 @@
 
 #include <torch/csrc/utils/pybind.h>  // at::Tensor -> Python (all-reduce hook)
 
+#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 
@@ -113,6 +114,12 @@ void FsdpParamGroup::unshard() {
   if (pending_all_gather_ || sharded_state_ == ShardedState::kUnsharded) return;
   EventTrace::emit(TraceEvent::kUnshard, module_fqn_, training_state_);
   if (!options_.unshard_in_backward && training_state_ == TrainingState::kPreBackward) return;
+  FsdpStreams* streams = comm_->streams();
+  if (streams && reshard_after_forward_event_) {
+    // The post-forward shards were written on the compute stream.
+    streams->all_gather_streams_wait(reshard_after_forward_event_);
+    reshard_after_forward_event_.reset();
+  }
   const CollectiveGroup& group = sharded_state_ == ShardedState::kShardedPostForward
                                      ? post_forward_group_
                                      : shard_group_;
@@ -130,6 +137,15 @@ void FsdpParamGroup::unshard() {
       pending_all_gather_ = std::move(pending);
       return;
     }
+    // Note [which streams an unshard runs on]: a forward or backward unshard
+    // (the group's own or a prefetch) copies in on the copy-in stream and
+    // gathers on the all-gather stream, so both overlap the compute stream's
+    // current module; an unshard outside them (FSDPModule.unshard) stays on
+    // the compute stream, as upstream's.
+    const bool side_streams = streams && (training_state_ == TrainingState::kForward ||
+                                          training_state_ == TrainingState::kPreBackward);
+    std::optional<c10::StreamGuard> on_copy_in;
+    if (side_streams) on_copy_in.emplace(streams->all_gather_copy_in());
     std::vector<at::Tensor> inputs;
     std::vector<at::ScalarType> dtypes;
     inputs.reserve(params_.size());
@@ -156,7 +172,20 @@ void FsdpParamGroup::unshard() {
       ProfilerRange copy_in([&] { return profile_label("FSDP::all_gather_copy_in"); });
       input = all_gather_copy_in(inputs, dtypes, pending.output, group.rank(), pending.world_size);
     }
-    pending.work = group.all_gather(pending.output, input);
+    if (!streams) {
+      pending.work = group.all_gather(pending.output, input);
+    } else {
+      const c10::Stream copy_in_stream = streams->current();
+      on_copy_in.reset();
+      const c10::Stream gather_stream = side_streams ? streams->all_gather() : copy_in_stream;
+      streams->wait_stream(gather_stream, copy_in_stream);
+      c10::StreamGuard on_gather(gather_stream);
+      // As upstream's async_op=False: the gather stream waits for the
+      // collective (a stream wait; the host goes on), and the compute
+      // stream will wait for the gather stream's event before the copy-out.
+      wait_releasing_gil(group.all_gather(pending.output, input));
+      pending.gathered = streams->record(gather_stream);
+    }
   }
   pending_all_gather_ = std::move(pending);
 }
@@ -164,6 +193,8 @@ void FsdpParamGroup::unshard() {
 bool FsdpParamGroup::per_parameter_on(const CollectiveGroup& group,
                                       CollectiveGroup::Purpose purpose, bool from_sharded) const {
   if (!options_.per_parameter_collectives || group.size() == 1) return false;
+  // Host memory only: our CUDA path has no coalesced collectives.
+  if (!params_.front()->padded_sharded_data().is_cpu()) return false;
   if (!group.is_ours(params_.front()->padded_sharded_data().device().type(), purpose)) {
     return false;
   }
@@ -369,6 +400,13 @@ void FsdpParamGroup::wait_for_unshard() {
   if (!pending_all_gather_) return;
   PendingAllGather pending = std::move(*pending_all_gather_);
   pending_all_gather_.reset();
+  FsdpStreams* streams = comm_->streams();
+  if (streams && training_state_ == TrainingState::kForward) {
+    // Note [keeping collective buffers alive across streams]: the previous
+    // forward group's all-gather output is free once its copy-out is done.
+    comm_->release_all_gather_state();
+  }
+  if (streams) FsdpStreams::wait_event(streams->current(), pending.gathered);
   if (pending.world_size == 1) {
     // Nothing to gather: copy (cast) each shard into its own unsharded
     // storage, which reshard can release without touching the sharded data.
@@ -400,6 +438,16 @@ void FsdpParamGroup::wait_for_unshard() {
   }
   for (const auto& param : params_) param->init_unsharded_param();
   to_unsharded();
+  if (streams && pending.output.defined()) {
+    StreamEvent copied_out = streams->record(streams->current());
+    if (training_state_ == TrainingState::kForward) {
+      // Kept until the next group's copy-out: its all-gather may overlap
+      // this copy-out (the root's post-forward releases the last one).
+      comm_->all_gather_state = HeldBuffer{std::move(pending.output), std::move(copied_out)};
+    } else {
+      streams->all_gather_streams_wait(copied_out);
+    }
+  }
 }
 
 void FsdpParamGroup::reshard() {
@@ -408,6 +456,11 @@ void FsdpParamGroup::reshard() {
   // Host-shared parameters need no post-forward copy: the memory stays.
   if (training_state_ == TrainingState::kForward && uses_post_forward_mesh() && !host_shared_) {
     to_sharded_post_forward();
+    // The post-forward shards are written on the compute stream and read by
+    // the next unshard's copy-in on the copy-in stream.
+    if (FsdpStreams* streams = comm_->streams()) {
+      reshard_after_forward_event_ = streams->record(streams->current());
+    }
     return;
   }
   to_sharded();
@@ -534,10 +587,11 @@ void FsdpParamGroup::post_backward() {
     // finish the oldest until fewer than the cap remain in flight (one by
     // default, as upstream keeps), each holding its input buffer.
     const size_t keep = static_cast<size_t>(comm_->max_reduces_in_flight() - 1);
-    if (comm_->reduces_in_flight() > keep) {
+    if (comm_->reduces_in_flight() > keep || comm_->reduce_scatter_states.size() > keep) {
       // Upstream names this one with the parentheses even for the root.
       ProfilerRange range([&] { return "FSDP::post_backward_rs_wait (" + module_fqn_ + ")"; });
       comm_->finish_reduces(keep);
+      comm_->release_reduce_scatter_states(keep);
     }
     if (!grads.empty()) {
       ProfilerRange range([&] { return profile_label("FSDP::post_backward_reduce"); });
@@ -575,9 +629,14 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
   const c10::DeviceType device = grads.front().device().type();
   // Dividing by the group size is AVG: where the backend's AVG is that same
   // divide, it makes it inside the reduction instead of a pass here.
+  // On a device mesh NCCL's AVG too: upstream asks for it, and NCCL's
+  // rounding differs from a SUM and a divide.
   const bool average =
       world > 1 && factors.reduce_scatter_divide && *factors.reduce_scatter_divide == world &&
-      !factors.pre_multiply && group.is_ours(device, CollectiveGroup::Purpose::kReduceScatter);
+      !factors.pre_multiply &&
+      (device == c10::DeviceType::CPU
+           ? group.is_ours(device, CollectiveGroup::Purpose::kReduceScatter)
+           : group.averages(device, CollectiveGroup::Purpose::kReduceScatter));
   if (average) reduce.factors.reduce_scatter_divide.reset();
   if (world > 1 && !factors.pre_divide && !factors.pre_multiply &&
       per_parameter_on(group, CollectiveGroup::Purpose::kReduceScatter, /*from_sharded=*/true)) {
@@ -618,6 +677,11 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
     reduce_scatter_copy_in(grads, world, reduce.input, shard_dims);
   }
   grads.clear();  // the unsharded gradients are no longer needed
+  if (FsdpStreams* streams = comm_->streams()) {
+    reduce.params = std::move(params);
+    reduce_on_streams(*streams, std::move(reduce), world, average);
+    return;
+  }
   if (factors.pre_divide) reduce.input.div_(*factors.pre_divide);
   if (world > 1) {
     reduce.output = group.buffer(row_numel, options, options_.allocate_from_group,
@@ -636,6 +700,41 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
   }
 }
 
+void FsdpParamGroup::reduce_on_streams(FsdpStreams& streams, PendingReduce reduce,
+                                       int64_t world, bool average) {
+  // Note [a reduction on the side streams]: the copy-in ran on the compute
+  // stream (so the unsharded gradients could be dropped by the host); the
+  // reduce-scatter stream waits for it, reduces, and finishes the reduction
+  // in its own order (divide, HSDP all-reduce on the all-reduce stream, cast,
+  // accumulate), with no host wait. The compute stream waits for the last
+  // post-reduce event at the end of backward; the input is held until the
+  // compute stream has waited for the reduce-scatter (comm_context.hpp).
+  const ReduceFactors& factors = reduce.factors;
+  const c10::Stream reduce_scatter_stream = streams.reduce_scatter();
+  streams.wait_stream(reduce_scatter_stream, streams.current());
+  c10::StreamGuard on_reduce_scatter(reduce_scatter_stream);
+  if (factors.pre_divide) reduce.input.div_(*factors.pre_divide);
+  const CollectiveGroup& group = reduce_scatter_group();
+  if (world > 1) {
+    reduce.output = group.buffer(reduce.input.numel() / world, reduce.input.options(),
+                                 options_.allocate_from_group,
+                                 CollectiveGroup::Purpose::kReduceScatter);
+    wait_releasing_gil(
+        group.reduce_scatter(reduce.output, reduce.input, factors.pre_multiply, average));
+  } else {
+    // Nothing to reduce-scatter: the output is a copy on this stream, as
+    // upstream's, not the input itself (allocated on the compute stream,
+    // which could reuse it while this stream still works on it).
+    reduce.output = at::empty_like(reduce.input);
+    reduce.output.copy_(reduce.input);
+    if (factors.single_rank_divide) reduce.output.div_(*factors.single_rank_divide);
+  }
+  comm_->reduce_scatter_states.push_back(
+      HeldBuffer{std::move(reduce.input), streams.record(reduce_scatter_stream)});
+  reduce.input = at::Tensor();
+  complete_reduce(std::move(reduce));
+}
+
 void FsdpParamGroup::complete_reduce(PendingReduce reduce) {
   // Upstream finishes a reduction inside its post_backward_reduce range (the
   // stream does the waiting); ours finishes later, under its own name.
@@ -645,6 +744,21 @@ void FsdpParamGroup::complete_reduce(PendingReduce reduce) {
   reduce.input = at::Tensor();
   reduce.member_inputs.clear();
   at::Tensor output = std::move(reduce.output);
+  // On the side streams (reduce_on_streams): the stream this reduction ends
+  // on, whose event the compute stream waits for at the end of backward.
+  FsdpStreams* streams = comm_->streams();
+  std::optional<c10::StreamGuard> on_all_reduce;
+  // The output as allocated (on the reduce-scatter stream): the cast and the
+  // accumulation below may drop it while the stream they run on, the
+  // all-reduce stream under HSDP, still uses it.
+  const at::Tensor allocated = streams ? output : at::Tensor();
+  const auto mark_post_reduce = [&] {
+    if (!streams) return;
+    const c10::Stream stream = streams->current();
+    StreamEvent done = streams->record(stream);
+    if (stream != streams->reduce_scatter()) comm_->post_reduce_buffers.push_back({allocated, done});
+    comm_->add_post_reduce_event(stream, std::move(done));
+  };
   if (factors.reduce_scatter_divide) output.div_(*factors.reduce_scatter_divide);
   if (replicate_group_) {
     if (!reduce.all_reduce) {
@@ -654,14 +768,23 @@ void FsdpParamGroup::complete_reduce(PendingReduce reduce) {
       } else {
         partial_reduce_output_ = output;
       }
+      mark_post_reduce();
       return;
     }
     if (partial_reduce_output_.defined()) {
       output.add_(partial_reduce_output_);
       partial_reduce_output_ = at::Tensor();
     }
-    wait_releasing_gil(replicate_group_.all_reduce(output));
-    if (factors.all_reduce_divide) output.div_(*factors.all_reduce_divide);
+    if (streams) {
+      streams->wait_stream(streams->all_reduce(), streams->current());
+      on_all_reduce.emplace(streams->all_reduce());
+    }
+    // NCCL divides in its kernel (AVG) where upstream asks it to.
+    const c10::DeviceType device = output.device().type();
+    const bool average = factors.all_reduce_divide && device != c10::DeviceType::CPU &&
+                         replicate_group_.averages(device, CollectiveGroup::Purpose::kAllReduce);
+    wait_releasing_gil(replicate_group_.all_reduce(output, average));
+    if (factors.all_reduce_divide && !average) output.div_(*factors.all_reduce_divide);
   }
   if (all_reduce_hook_ && !all_reduce_hook_.is_none()) {
     // set_all_reduce_hook: after the reduce-scatter (FSDP) or the all-reduce
@@ -678,6 +801,7 @@ void FsdpParamGroup::complete_reduce(PendingReduce reduce) {
         output.narrow(0, offset, shard_numel).view(param->sharded_size()));
     offset += param->padded_shard_numel();
   }
+  mark_post_reduce();
 }
 
 std::string FsdpParamGroup::profile_label(const char* phase) const {
@@ -690,6 +814,13 @@ void FsdpParamGroup::drop_pending_all_gather() {
   if (!pending_all_gather_) return;
   PendingAllGather pending = std::move(*pending_all_gather_);
   pending_all_gather_.reset();
+  // The output was allocated on the copy-in stream and is dropped here: the
+  // copy-in stream may reuse it only after the gather (as upstream, the
+  // compute stream waits for it too).
+  if (FsdpStreams* streams = comm_->streams()) {
+    FsdpStreams::wait_event(streams->current(), pending.gathered);
+    streams->all_gather_streams_wait(pending.gathered);
+  }
   wait_releasing_gil(pending.work);
   // Every rank drops the same prefetch: each completes its part of the
   // epoch, so its messages cannot be taken for the next one's.
@@ -712,6 +843,10 @@ void FsdpParamGroup::finalize_backward() {
 
 void FsdpParamGroup::reset_iter_state() {
   drop_pending_all_gather();
+  if (FsdpStreams* streams = comm_->streams()) {
+    streams->all_gather_streams_wait(reshard_after_forward_event_);
+  }
+  reshard_after_forward_event_.reset();
   partial_reduce_output_ = at::Tensor();
   // The failed iteration's gradients must not be reduced with the next one.
   for (const auto& param : params_) param->drop_unsharded_grad();

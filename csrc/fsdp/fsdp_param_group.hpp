@@ -208,6 +208,9 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
     std::vector<WorkPtr> column_exchange;
     at::Tensor column_flags;  // int64, one per column peer
     std::vector<WorkPtr> column_flag_receives;
+    // On the side streams: the all-gather stream's event after the
+    // collective (the copy-out waits for it); null elsewhere.
+    StreamEvent gathered;
   };
 
   // Whether this group's collectives on `group` go per parameter now
@@ -237,6 +240,11 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   void drop_pending_all_gather();
   void reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> params,
                         std::vector<at::Tensor> grads);
+  // A device reduction whose copy-in is done, on the side streams (Note [a
+  // reduction on the side streams] in the .cpp). `average`: AVG asked of the
+  // backend in place of the reduce-scatter divide.
+  void reduce_on_streams(FsdpStreams& streams, PendingReduce reduce, int64_t world,
+                         bool average);
 
   std::vector<std::shared_ptr<FsdpParam>> params_;
   CollectiveGroup shard_group_;
@@ -256,6 +264,9 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   TrainingState training_state_ = TrainingState::kIdle;
   ShardedState sharded_state_ = ShardedState::kSharded;
   std::optional<PendingAllGather> pending_all_gather_;
+  // Resharded to the post-forward mesh on the compute stream: the next
+  // unshard's all-gather streams wait for it.
+  StreamEvent reshard_after_forward_event_;
   std::unique_ptr<HostSharedParameters> host_shared_;
   uint64_t host_shared_epoch_ = 0;  // unshards so far (every rank alike)
   std::vector<int64_t> host_shared_column_peers_;  // shard-group ranks on other hosts

@@ -116,6 +116,19 @@ void bind_fsdp_runtime(py::module_& m) {
       .def_property("max_reduces_in_flight", &FsdpCommContext::max_reduces_in_flight,
                     &FsdpCommContext::set_max_reduces_in_flight,
                     "The largest set_reduce_scatter_max_input_buffers over the groups.")
+      .def("use_device", [](FsdpCommContext& self, const py::object& device, bool streams) {
+             self.use_device(device.cast<c10::Device>(), streams);
+           }, py::arg("device"), py::arg("streams"),
+           "A root on an accelerator: make the side streams (streams=False keeps every "
+           "collective on the compute stream).")
+      .def("root_pre_forward", &FsdpCommContext::root_pre_forward,
+           "The all-gather streams wait for the compute stream (the optimizer's updates).")
+      .def("release_all_gather_state", &FsdpCommContext::release_all_gather_state,
+           "The root's post-forward: release the last forward all-gather output.")
+      .def("all_gather_streams", &FsdpCommContext::all_gather_streams,
+           "The all-gather copy-in and all-gather streams (empty without side streams).")
+      .def_property_readonly("uses_streams",
+                             [](const FsdpCommContext& self) { return self.streams() != nullptr; })
       .def("drop_reduces", &FsdpCommContext::drop_reduces,
            "Wait for in-flight reduce-scatters and discard their results.")
       .def("finish_backward", &FsdpCommContext::finish_backward, py::arg("is_last_backward"),

@@ -8,8 +8,9 @@
 #
 # probes the machine (shared/gpu-kit/probe.py), unpacks UCX, builds the
 # extension with its CUDA parts for sm_90 against the machine's torch on every
-# core, checks a 2-rank CPU run, runs the CUDA tests (test/test_cuda.py) and a
-# short CUDA benchmark (benchmarks/collectives.py --device cuda). Each step
+# core, checks a 2-rank CPU run, runs the CUDA tests (test/test_cuda.py, then
+# fully_shard on CUDA meshes: test/test_cuda_fsdp.py) and a short CUDA
+# benchmark (benchmarks/collectives.py --device cuda). Each step
 # has a time limit, the whole at most 8 minutes (BUDGET_S=470); a failing step does not
 # stop the next (but for the build). Logs and tables go under $OUT (fetched by
 # the device tool); the last lines printed are the summary.
@@ -64,9 +65,14 @@ step build 200 env FSDP_EXT_CUDA=ON CUDAARCHS=90 MAX_JOBS="$(nproc)" \
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "from torch_fsdp_ext import _build_info as b; print(vars(b))" | tee -a "$OUT/build.log"
 step cpu_smoke 30 "$(dirname "$PY")/torchrun" --standalone --nproc-per-node 2 test/smoke_installed.py
-step cuda_tests 170 "$PY" -m pytest -q -p no:cacheprovider -rs --junitxml "$OUT/cuda_tests.xml" \
+step cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs --junitxml "$OUT/cuda_tests.xml" \
   test/test_cuda.py
-step cuda_bench 50 "$PY" benchmarks/collectives.py --device cuda --world-sizes 2 \
+# fully_shard on CUDA meshes against upstream's (issue 35).
+step cuda_fsdp_tests 110 "$PY" -m pytest -q -p no:cacheprovider -rs \
+  --junitxml "$OUT/cuda_fsdp_tests.xml" test/test_cuda_fsdp.py
+step cuda_fsdp_bench 70 "$PY" benchmarks/fsdp_step.py --device cuda --world-sizes 1,2 \
+  --steps 9 --output "$OUT/fsdp_step_cuda.json"
+step cuda_bench 40 "$PY" benchmarks/collectives.py --device cuda --world-sizes 2 \
   --min-bytes 64K --max-bytes 64M --repeats 3 --output "$OUT/collectives_cuda.json"
 echo "== summary"
 printf '%s\n' "${summary[@]}"

@@ -60,12 +60,17 @@ class MeshInfo(NamedTuple):
         return (shard,) if self.replicate_dim is None else (Replicate(), shard)
 
 
+# Mesh device types the runtime runs on: the host, and CUDA (side streams
+# and device copy kernels; csrc/fsdp/fsdp_streams.hpp).
+_SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+
+
 def mesh_info(mesh: DeviceMesh, dp_mesh_dims=None) -> MeshInfo:
     """Checks ``mesh`` as upstream does and says how it is used."""
-    if mesh.device_type != "cpu":
+    if mesh.device_type not in _SUPPORTED_DEVICE_TYPES:
         raise NotImplementedError(
             f"torch_fsdp_ext.fully_shard: {mesh.device_type} meshes are not supported yet "
-            "(CPU only in this release)"
+            f"(supported: {', '.join(_SUPPORTED_DEVICE_TYPES)})"
         )
     if dp_mesh_dims is not None:
         if _compat.DataParallelMeshDims is None:
@@ -80,6 +85,51 @@ def mesh_info(mesh: DeviceMesh, dp_mesh_dims=None) -> MeshInfo:
     if mesh.ndim == 1:
         return MeshInfo(mesh, shard_dim=0, replicate_dim=None)
     return MeshInfo(mesh, shard_dim=1, replicate_dim=0)
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """Where fully_shard puts the parameters, as upstream: the host, or the
+    mesh's device type at the current device index."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    handle = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, handle.current_device())
+
+
+def check_device_backends(info: MeshInfo, device: torch.device, module) -> None:
+    """A device mesh needs process groups that can carry that device's
+    tensors (nccl, fsdp_ext, or a per-device backend string naming one):
+    refused here, naming the module and the group, instead of failing in the
+    first all-gather."""
+    if device.type == "cpu":
+        return
+    for role, group in (("shard", info.shard_group), ("replicate", info.replicate_group)):
+        if group is None:
+            continue
+        try:
+            group._get_backend(device)
+        except RuntimeError as error:
+            raise ValueError(
+                f"torch_fsdp_ext.fully_shard({type(module).__name__}): the mesh is on "
+                f"{device.type}, but its {role} process group "
+                f"({dist.get_backend(group)!r}, group {getattr(group, 'group_name', '?')}) "
+                f"has no backend for {device.type} tensors ({error}). Initialise it with a "
+                f"backend that carries them: 'nccl', 'fsdp_ext', or e.g. 'cpu:gloo,cuda:nccl'."
+            ) from None
+
+
+def check_params_on_device(groups, device: torch.device, module_name: str) -> None:
+    """At lazy init (parameters may have been materialised or moved since
+    fully_shard): every sharded parameter on the mesh's device, else a clear
+    error naming each one and where it is."""
+    stray = [(p.fqn, str(p.sharded_param.device)) for g in groups for p in g.params
+             if p.sharded_param.device != device]
+    if stray:
+        raise ValueError(
+            f"torch_fsdp_ext.fully_shard({module_name}): the mesh is on {device}, but these "
+            f"parameters are elsewhere: {stray}. Keep every parameter of a fully_shard "
+            f"module on the mesh's device (e.g. module.to_empty(device={str(device)!r}))."
+        )
 
 
 def _spmd_mesh_info(mesh: DeviceMesh, dims) -> MeshInfo:

@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed._composable import contract
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as UpstreamFSDPModule
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 from torch.distributed.utils import _get_root_modules
 
 from .. import _C
@@ -42,12 +42,18 @@ def fully_shard(
     _init.validate_module(module)
     mesh = mesh or _init.default_mesh()
     info = _init.mesh_info(mesh, dp_mesh_dims)
+    roots = (module,) if isinstance(module, nn.Module) else tuple(_get_root_modules(list(module)))
     auto_reshard = reshard_after_forward is None
     # None: True until lazy init finds the root, which keeps its parameters.
     reshard_setting = True if auto_reshard else reshard_after_forward
     reshard, post_forward_mesh = _init.post_forward_setting(reshard_setting, info)
-    device = torch.device(mesh.device_type)
-    roots = (module,) if isinstance(module, nn.Module) else tuple(_get_root_modules(list(module)))
+    device = _init.mesh_device(mesh)
+    if device.type != "cpu" and isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError(
+            f"torch_fsdp_ext.fully_shard({type(roots[0]).__name__}): "
+            f"CPUOffloadPolicy on a {device.type} mesh is not supported yet (parameters on the "
+            "host, gathered to the device each step); use upstream's fully_shard for it")
+    _init.check_device_backends(info, device, roots[0])
     managed = _init.managed_modules(roots, ignored_params, get_fsdp_state)
     params, buffers = _init.managed_states(managed, ignored_params)
     _init.move_to_device(params, buffers, device)
@@ -70,7 +76,7 @@ def fully_shard(
         plans.append((group_info, members, group_reshard))
 
     state = fully_shard.state(roots[0])
-    state.init(roots, mp_policy, offload_policy, auto_reshard)
+    state.init(roots, mp_policy, offload_policy, auto_reshard, device)
     _expose_state_to_upstream_accessor(roots, state)
     pin_memory = _init.pin_offloaded(offload_policy)
     for group_info, members, (group_reshard, group_post_forward_mesh) in plans:
@@ -253,8 +259,13 @@ class FSDPModule(UpstreamFSDPModule):
         self._get_fsdp_state()._set_prefetch(list(modules), forward=False)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        # CPU collectives are ordered by the host: nothing to wait on.
-        return
+        """On a device mesh, the next forward's all-gathers wait for ``event``
+        (recorded after the optimizer step) instead of the whole compute
+        stream, as upstream's. CPU collectives are ordered by the host:
+        there it is ignored."""
+        state = self._get_fsdp_state()
+        if state._device.type != "cpu":
+            state._state_ctx.post_optim_event = event
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Use :py:meth:`set_gradient_divide_factor` instead."""
@@ -356,6 +367,11 @@ class FSDPModule(UpstreamFSDPModule):
         The ranks' ordering rules: Note [ordering of host-shared unsharded
         parameters] in csrc/fsdp/host_shared_parameters.hpp."""
         states = [m._get_fsdp_state() for m in _fsdp_modules(self, recurse=True)]
+        if enable and any(s._device.type != "cpu" for s in states):
+            raise NotImplementedError(
+                f"set_host_shared_parameters({type(self).__name__}): host-shared parameters "
+                "map host memory; this module's mesh is on "
+                f"{next(s._device for s in states if s._device.type != 'cpu')}")
         if not enable:
             if any(g.host_shared for s in states for g in s._fsdp_param_groups):
                 raise NotImplementedError("host-shared parameters cannot be turned off once mapped")

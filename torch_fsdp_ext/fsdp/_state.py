@@ -7,6 +7,7 @@ per-parameter loop is in C++."""
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Optional
 
 import torch
@@ -53,6 +54,9 @@ class StateContext:
         self.iter_forward_root: Optional[FSDPState] = None
         self.post_backward_final_callback_queued = False
         self.is_last_backward = True
+        # FSDPModule.set_post_optim_event (device meshes): waited on by the
+        # all-gather streams at the next root pre-forward, then forgotten.
+        self.post_optim_event = None
 
 
 class RegisterPostBackwardFunction(torch.autograd.Function):
@@ -111,6 +115,7 @@ class FSDPState(_State):
         # set_host_shared_parameters: map the memory at lazy init.
         self._host_shared_requested = False
         self._modules: tuple[nn.Module, ...] = ()
+        self._device = torch.device("cpu")
         self._hook_handles: list = []
         self._orig_param_uids: list[int] = []
 
@@ -143,10 +148,11 @@ class FSDPState(_State):
     # Set-up ------------------------------------------------------------------
 
     def init(self, modules: tuple[nn.Module, ...], mp_policy, offload_policy,
-             auto_reshard_after_forward: bool) -> None:
+             auto_reshard_after_forward: bool, device: torch.device) -> None:
         for module in modules:
             _insert_module_state(module, self)
         self._modules = modules
+        self._device = device
         self._mp_policy = mp_policy
         self._offload_policy = offload_policy
         # The casts the hooks apply (None: none), decided once.
@@ -218,6 +224,11 @@ class FSDPState(_State):
             state._comm_ctx = self._comm_ctx
             for group in state._fsdp_param_groups:
                 group.comm_ctx = self._comm_ctx
+        if self._device.type != "cpu":
+            # The side streams (csrc/fsdp/fsdp_streams.hpp); FSDP_EXT_FSDP_STREAMS=0
+            # keeps every collective on the compute stream (for debugging).
+            self._comm_ctx.use_device(
+                self._device, os.environ.get("FSDP_EXT_FSDP_STREAMS", "1") != "0")
         # One queue of reductions, so one cap: the most any group allows.
         self._comm_ctx.max_reduces_in_flight = max(
             (g.reduce_scatter_max_input_buffers
@@ -295,6 +306,8 @@ class FSDPState(_State):
         if isinstance(self._offload_policy, CPUOffloadPolicy):
             for group in groups:
                 _init.validate_offloaded_on_cpu(group)
+        elif self._device.type != "cpu":
+            _init.check_params_on_device(groups, self._device, type(self._modules[0]).__name__)
         if self._host_shared_requested:
             # Now that the parameter dtypes are final: the memory's layout.
             _host_shared.share_groups(groups, type(self._modules[0]).__name__)
@@ -319,6 +332,8 @@ class FSDPState(_State):
             with _profiler_range("FSDP::root_pre_forward") if self._is_root is not False \
                     else _NO_RANGE:
                 self._lazy_init()
+                if self._state_ctx.iter_forward_root is None and self._device.type != "cpu":
+                    args, kwargs = self._root_pre_forward_on_device(args, kwargs)
             if self._state_ctx.iter_forward_root is None:
                 self._state_ctx.iter_forward_root = self
         # Cast before the post-backward hook wraps the inputs, so that it sees
@@ -347,11 +362,37 @@ class FSDPState(_State):
         self._training_state = TrainingState.IDLE
         if self._state_ctx.iter_forward_root is self:
             output = self._force_complete_incomplete_states(output)
+            # Note [keeping collective buffers alive across streams]: the last
+            # forward all-gather output is released with the forward.
+            self._comm_ctx.release_all_gather_state()
             self._state_ctx.iter_forward_root = None
         if self._output_dtype is None:
             return output
         with _profiler_range("FSDP::cast_forward_outputs"):
             return _cast_floating(output, self._output_dtype)
+
+    def _root_pre_forward_on_device(self, args: tuple, kwargs: dict):
+        """The root's forward on an accelerator, as upstream's: the all-gather
+        streams wait for the compute stream (the optimizer step's updates to
+        the shards), or for the user's post-optimizer event if one was set,
+        and the inputs move to the device as DDP moves them."""
+        event = self._state_ctx.post_optim_event
+        if event is None:
+            self._comm_ctx.root_pre_forward()
+        else:
+            self._state_ctx.post_optim_event = None
+            handle = torch.get_device_module(self._device.type)
+            for stream in self._comm_ctx.all_gather_streams():
+                event.wait(handle.Stream(stream_id=stream.stream_id,
+                                         device_index=stream.device_index,
+                                         device_type=stream.device_type))
+        if not (args or kwargs):
+            return args, kwargs
+        from torch.distributed.utils import _to_kwargs
+
+        with _profiler_range("FSDP::inputs_to_device"):
+            args_tuple, kwargs_tuple = _to_kwargs(args, kwargs, self._device, False)
+        return args_tuple[0], kwargs_tuple[0]
 
     def _force_complete_incomplete_states(self, output: Any) -> Any:
         """Grouped states whose forward ran only some of their modules

@@ -191,7 +191,27 @@ const at::Tensor& FsdpParam::allocated_all_gather_output() {
   return all_gather_output_;
 }
 
+std::vector<at::Tensor> FsdpParam::extension_inputs() {
+  return py::cast<std::vector<at::Tensor>>(extension_.attr("inputs")());
+}
+
+std::vector<at::Tensor> FsdpParam::extension_outputs(const std::vector<at::Tensor>& inputs,
+                                                     int64_t world_size) {
+  return py::cast<std::vector<at::Tensor>>(extension_.attr("outputs")(inputs, world_size));
+}
+
 void FsdpParam::init_unsharded_param() {
+  if (has_extension()) {
+    py::object dtype = py::cast(unsharded_dtype());
+    if (unsharded_tensor_.defined()) {
+      extension_.attr("unsharded")(dtype, unsharded_param_);
+      return;
+    }
+    py::object tensor = extension_.attr("unsharded")(dtype, py::none());
+    unsharded_param_ = parameter_class()(tensor, py::arg("requires_grad") = requires_grad());
+    unsharded_tensor_ = unpack(unsharded_param_);
+    return;
+  }
   if (unsharded_tensor_.defined()) return;
   TORCH_CHECK(all_gather_output_.defined(), "fsdp_ext ", fqn_,
               ": init_unsharded_param before the first all-gather");
@@ -224,6 +244,7 @@ at::Tensor FsdpParam::local_grad(at::Tensor grad) const {
 }
 
 void FsdpParam::release_unsharded_storage() {
+  if (has_extension() && unsharded_tensor_.defined()) extension_.attr("release")();
   // Host-shared memory stays: the other ranks of the host share it.
   if (all_gather_output_.defined() && !host_shared_) release_storage(all_gather_output_);
 }

@@ -28,6 +28,13 @@
 // unwrapped to local tensors in that spec's placements before reduction
 // (torch_fsdp_ext/fsdp/_tensor_parallel.py).
 //
+// A parameter whose local tensor defines fsdp_pre_all_gather /
+// fsdp_post_all_gather has an AllGatherExtension (torch_fsdp_ext/fsdp/
+// _extensions.py, attached at lazy init): its all-gather inputs (any number,
+// any dtypes) come from the pre hook instead of the padded shard, and its
+// unsharded parameter is what the post hook builds from their gathered
+// outputs; reshard frees those outputs through it.
+//
 // Modules are Python objects, so registration writes the module's
 // _parameters dict (or setattr where the class overrides __setattr__), and
 // gradient DTensors are built through the Python DTensor constructor; the
@@ -101,8 +108,23 @@ class FSDP_EXT_HIDDEN FsdpParam {
   // on and is never released. Before the unsharded parameter exists.
   void use_host_shared_output(at::Tensor output);
   bool host_shared() const { return host_shared_; }
-  // Creates the unsharded nn.Parameter once, viewing the all-gather output.
+  // Creates the unsharded nn.Parameter once, viewing the all-gather output
+  // (with an extension: the post hook's tensor the first time, and the post
+  // hook filling it in place at every later unshard).
   void init_unsharded_param();
+
+  // All-gather extensions (see the file comment); None: the default path.
+  void set_extension(py::object extension) { extension_ = std::move(extension); }
+  const py::object& extension() const { return extension_; }
+  bool has_extension() const { return !extension_.is_none(); }
+  // The pre hook's inputs, flat (they may differ in dtype from each other).
+  std::vector<at::Tensor> extension_inputs();
+  // Their all-gather outputs (world_size times each input's elements), with
+  // memory allocated.
+  std::vector<at::Tensor> extension_outputs(const std::vector<at::Tensor>& inputs,
+                                            int64_t world_size);
+  // The module that holds the parameter (upstream passes it to the pre hook).
+  py::object owner_module() const { return slots_.front().module(); }
   bool has_unsharded_param() const { return unsharded_tensor_.defined(); }
   void release_unsharded_storage();
 
@@ -194,6 +216,7 @@ class FSDP_EXT_HIDDEN FsdpParam {
   at::Tensor unsharded_tensor_;  // the parameter (a DTensor for TP parameters)
   at::Tensor accumulated_grad_;  // reduce_dtype, gradient sync off
 
+  py::object extension_ = py::none();
   py::object post_forward_param_;
   at::Tensor post_forward_data_;  // 1-D
 };

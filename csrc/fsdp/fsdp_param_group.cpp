@@ -155,12 +155,23 @@ void FsdpParamGroup::unshard() {
     const at::ScalarType common = params_.front()->unsharded_dtype();
     at::ScalarType buffer_dtype = common;
     int64_t input_bytes = 0;
+    const auto add_input = [&](at::Tensor input, at::ScalarType dtype) {
+      if (dtype != common) buffer_dtype = at::kByte;
+      pending.split_sizes.push_back(input.numel());
+      input_bytes += input.numel() * static_cast<int64_t>(c10::elementSize(dtype));
+      inputs.push_back(std::move(input));
+      dtypes.push_back(dtype);
+    };
     for (const auto& param : params_) {
-      inputs.push_back(param->all_gather_input());
-      dtypes.push_back(param->unsharded_dtype());
-      if (dtypes.back() != common) buffer_dtype = at::kByte;
-      pending.split_sizes.push_back(inputs.back().numel());
-      input_bytes += inputs.back().numel() * static_cast<int64_t>(c10::elementSize(dtypes.back()));
+      if (!param->has_extension()) {
+        add_input(param->all_gather_input(), param->unsharded_dtype());
+        pending.extension_inputs.emplace_back();
+        continue;
+      }
+      // The pre hook's inputs, each gathered in its own dtype.
+      std::vector<at::Tensor> extension_inputs = param->extension_inputs();
+      for (const at::Tensor& input : extension_inputs) add_input(input, input.scalar_type());
+      pending.extension_inputs.push_back(std::move(extension_inputs));
     }
     const int64_t input_numel = input_bytes / static_cast<int64_t>(c10::elementSize(buffer_dtype));
     pending.output = group.buffer(input_numel * pending.world_size,
@@ -193,6 +204,11 @@ void FsdpParamGroup::unshard() {
 bool FsdpParamGroup::per_parameter_on(const CollectiveGroup& group,
                                       CollectiveGroup::Purpose purpose, bool from_sharded) const {
   if (!options_.per_parameter_collectives || group.size() == 1) return false;
+  // All-gather extensions gather their own inputs: the flat path serves them.
+  if (std::any_of(params_.begin(), params_.end(),
+                  [](const auto& param) { return param->has_extension(); })) {
+    return false;
+  }
   // Host memory only: our CUDA path has no coalesced collectives.
   if (!params_.front()->padded_sharded_data().is_cpu()) return false;
   if (!group.is_ours(params_.front()->padded_sharded_data().device().type(), purpose)) {
@@ -282,6 +298,9 @@ void FsdpParamGroup::use_host_shared(at::Tensor region, at::Tensor control,
                               ": host-shared parameters across hosts need a process group "
                               "with a C++ backend (this one is implemented in Python)");
   for (const auto& param : params_) {
+    TORCH_CHECK_NOT_IMPLEMENTED(!param->has_extension(), where(), ": ", param->fqn(),
+                                " has an all-gather extension, which host-shared parameters "
+                                "do not support");
     // A rank's shard of a dim-d > 0 parameter is not one block of it.
     TORCH_CHECK_NOT_IMPLEMENTED(param->shard_dim() == 0, where(),
                                 ": host-shared parameters need every parameter sharded on dim "
@@ -413,6 +432,14 @@ void FsdpParamGroup::wait_for_unshard() {
     // A raw copy keeps the version counter unchanged, as autograd's saved
     // tensors expect.
     for (const auto& param : params_) {
+      if (param->has_extension()) {
+        const std::vector<at::Tensor> inputs = param->extension_inputs();
+        const std::vector<at::Tensor> outputs = param->extension_outputs(inputs, 1);
+        for (size_t i = 0; i < inputs.size(); ++i) {
+          copy_cast_raw(outputs[i].data_ptr(), outputs[i].scalar_type(), inputs[i]);
+        }
+        continue;
+      }
       const at::Tensor& output = param->allocated_all_gather_output();
       copy_cast_raw(output.data_ptr(), output.scalar_type(), param->all_gather_input());
     }
@@ -427,12 +454,22 @@ void FsdpParamGroup::wait_for_unshard() {
     std::vector<at::Tensor> outputs;
     std::vector<int64_t> shard_dims;
     outputs.reserve(params_.size());
-    for (const auto& param : params_) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const auto& param = params_[i];
+      if (param->has_extension()) {  // one output per input, sharded on dim 0
+        for (at::Tensor& output :
+             param->extension_outputs(pending.extension_inputs[i], pending.world_size)) {
+          outputs.push_back(std::move(output));
+          shard_dims.push_back(0);
+        }
+        continue;
+      }
       const int64_t dim = pending.from_sharded ? param->shard_dim() : 0;
       const at::Tensor& output = param->allocated_all_gather_output();
       outputs.push_back(dim == 0 ? output : output.view(param->orig_size()));
       shard_dims.push_back(dim);
     }
+    pending.extension_inputs.clear();
     all_gather_copy_out(pending.output, pending.split_sizes, pending.world_size, outputs,
                         shard_dims);
   }

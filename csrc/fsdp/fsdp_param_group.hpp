@@ -208,6 +208,9 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
     std::vector<WorkPtr> column_exchange;
     at::Tensor column_flags;  // int64, one per column peer
     std::vector<WorkPtr> column_flag_receives;
+    // Per parameter, the all-gather extension's inputs (empty without one):
+    // the copy-out sizes their outputs from them.
+    std::vector<std::vector<at::Tensor>> extension_inputs;
     // On the side streams: the all-gather stream's event after the
     // collective (the copy-out waits for it); null elsewhere.
     StreamEvent gathered;

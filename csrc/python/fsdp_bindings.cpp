@@ -105,6 +105,11 @@ void bind_fsdp_runtime(py::module_& m) {
       .def_property_readonly("shard_dim", &FsdpParam::shard_dim)
       .def_property_readonly("padded_sharded_data", &FsdpParam::padded_sharded_data)
       .def_property_readonly("is_meta", &FsdpParam::is_meta)
+      .def_property_readonly("orig_size", &FsdpParam::orig_size)
+      .def_property_readonly("owner_module", &FsdpParam::owner_module,
+                             "The module holding the parameter (None once it is gone).")
+      .def_property("extension", &FsdpParam::extension, &FsdpParam::set_extension,
+                    "Its AllGatherExtension (torch_fsdp_ext/fsdp/_extensions.py), or None.")
       .def("__repr__", [](const FsdpParam& p) {
         std::string sizes;
         for (int64_t s : p.orig_size()) sizes += (sizes.empty() ? "" : ", ") + std::to_string(s);
@@ -182,6 +187,7 @@ void bind_fsdp_runtime(py::module_& m) {
       .def_property("profile_label_suffix", &FsdpParamGroup::profile_label_suffix,
                     &FsdpParamGroup::set_profile_label_suffix)
       .def_property_readonly("params", &FsdpParamGroup::params)
+      .def_property_readonly("uses_post_forward_mesh", &FsdpParamGroup::uses_post_forward_mesh)
       .def_property_readonly("shard_group",
                              [](const FsdpParamGroup& g) { return g.shard_group().process_group(); })
       .def_property_readonly("replicate_group",

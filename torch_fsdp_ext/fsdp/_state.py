@@ -18,7 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from .. import _C
-from . import _host_shared, _init
+from . import _extensions, _host_shared, _init
 from ._trace import ShardedState, TrainingState
 
 _FORWARD = TrainingState.FORWARD
@@ -303,6 +303,9 @@ class FSDPState(_State):
                 "For example, call module.to_empty(device) to materialize to device and "
                 "call module.reset_parameters() on each module to initialize values."
             )
+        # fsdp_pre/post_all_gather on local tensors (set after fully_shard
+        # too, as long as it is before the first forward).
+        _extensions.attach(groups, policy)
         if isinstance(self._offload_policy, CPUOffloadPolicy):
             for group in groups:
                 _init.validate_offloaded_on_cpu(group)

@@ -1,0 +1,173 @@
+"""All-gather extensions: a parameter whose local tensor defines
+``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (a tensor subclass, or
+instance methods set on ``param._local_tensor`` after ``fully_shard``) decides
+what is all-gathered for it and how the unsharded parameter is built from
+the result, as upstream FSDP2 lets it.
+
+This is the one place the per-step path calls the user's Python: the C++
+group asks the parameter's ``AllGatherExtension`` for its all-gather inputs
+(any number, any dtypes: the flat buffer is then bytes), hands it the
+gathered outputs after the copy-out, and has it release their memory on
+reshard. Everything else (copy-in, collective, copy-out, reduce-scatter)
+stays the group's."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+
+def has_extension(local_tensor: torch.Tensor) -> bool:
+    """Whether the local tensor defines an all-gather extension; both hooks
+    or neither (upstream's AssertionError otherwise)."""
+    pre = hasattr(local_tensor, "fsdp_pre_all_gather")
+    post = hasattr(local_tensor, "fsdp_post_all_gather")
+    if pre != post:
+        raise AssertionError(
+            "Both fsdp_pre_all_gather and fsdp_post_all_gather should be defined "
+            f"if using all-gather extensions: {local_tensor}"
+        )
+    return pre
+
+
+def _contiguous_stride(size) -> tuple:
+    stride, running = [], 1
+    for dim in reversed(list(size)):
+        stride.append(running)
+        running *= dim
+    return tuple(reversed(stride))
+
+
+def _resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
+    storage = tensor.untyped_storage()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+class AllGatherExtension:
+    """One parameter's extension, with what passes from its pre- to its
+    post-all-gather hook (metadata, the inputs' shapes) and the tensors whose
+    memory an unshard allocates and a reshard frees (the all-gather outputs
+    and the inner tensors the post hook returned)."""
+
+    def __init__(self, fqn: str, sharded_param: nn.Parameter, shard_mesh, module: nn.Module,
+                 mp_policy, orig_size, padded_sharded_size) -> None:
+        self._fqn = fqn
+        self._sharded_param = sharded_param
+        self._shard_mesh = shard_mesh
+        self._module = module
+        self._mp_policy = mp_policy
+        self._orig_size = torch.Size(orig_size)
+        self._orig_stride = _contiguous_stride(orig_size)
+        self._padded_size = torch.Size(padded_sharded_size)
+        self._metadata: Any = None
+        self._input_sizes: list = []
+        self._outputs: list[torch.Tensor] = []
+        self._inner_tensors: list[torch.Tensor] = []
+
+    def inputs(self) -> list[torch.Tensor]:
+        """The pre-all-gather hook's inputs, flattened (upstream's arities:
+        the shard mesh alone, or mesh, size, stride, module and policy)."""
+        local = self._sharded_param._local_tensor
+        pre = local.fsdp_pre_all_gather
+        arity = len(inspect.signature(pre).parameters)
+        if arity == 1:
+            inputs, self._metadata = pre(self._shard_mesh)
+        elif arity == 5:
+            inputs, self._metadata = pre(self._shard_mesh, self._orig_size, self._orig_stride,
+                                         self._module, self._mp_policy)
+            if local.size() != self._padded_size and any(
+                    t.size() != self._padded_size for t in inputs):
+                raise AssertionError(
+                    "When a parameter is unevenly sharded by FSDP (orig size="
+                    f"{self._orig_size}, FSDP world size={self._shard_mesh.size()}), "
+                    "fsdp_pre_all_gather must return all-gather inputs with the padded sharded "
+                    f"size {self._padded_size} but got {[t.size() for t in inputs]}"
+                )
+        else:
+            raise AssertionError(
+                f"Invalid fsdp_pre_all_gather: {inspect.signature(pre)}\n"
+                "Expects fsdp_pre_all_gather(self, mesh: DeviceMesh, "
+                "outer_size: torch.Size, outer_stride: tuple[int, ...], "
+                "module: nn.Module, mp_policy: MixedPrecisionPolicy)"
+            )
+        self._input_sizes = [t.size() for t in inputs]
+        return [t.contiguous().view(-1) for t in inputs]
+
+    def outputs(self, inputs: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
+        """One flat output per input (world_size times its elements, its
+        dtype), made at the first unshard and given memory again at each."""
+        if not self._outputs:
+            self._outputs = [torch.empty(t.numel() * world_size, dtype=t.dtype, device=t.device)
+                             for t in inputs]
+        else:
+            for t in self._outputs:
+                _resize_storage(t, t.numel() * t.element_size())
+        return self._outputs
+
+    @torch.no_grad()
+    def unsharded(self, param_dtype: torch.dtype,
+                  unsharded_param: Optional[nn.Parameter]) -> Optional[torch.Tensor]:
+        """The post-all-gather hook on the gathered outputs: the first time,
+        the unsharded tensor (viewed with the original size and contiguous
+        strides); afterwards it fills ``unsharded_param`` (out=) and returns
+        None."""
+        post = self._sharded_param._local_tensor.fsdp_post_all_gather
+        outputs = tuple(t.view(-1, *size[1:]) for t, size in zip(self._outputs, self._input_sizes))
+        metadata, self._metadata, self._input_sizes = self._metadata, None, []
+        if unsharded_param is not None:
+            for t in self._inner_tensors:
+                _resize_storage(t, t.numel() * t.element_size())
+            post(outputs, metadata, param_dtype, out=unsharded_param)
+            return None
+        tensor, inner = post(outputs, metadata, param_dtype)
+        self._inner_tensors = list(inner)
+        return torch.as_strided(tensor, self._orig_size, self._orig_stride, storage_offset=0)
+
+    def release(self) -> None:
+        """Reshard: the outputs' and inner tensors' memory is freed (the
+        tensors stay, as the unsharded parameter views them)."""
+        for t in self._outputs + self._inner_tensors:
+            _resize_storage(t, 0)
+
+
+def attach(groups, mp_policy) -> None:
+    """At lazy init: each parameter whose local tensor defines the hooks gets
+    its AllGatherExtension (and any other loses a stale one)."""
+    for group in groups:
+        for param in group.params:
+            local = param.sharded_param._local_tensor
+            if not has_extension(local):
+                param.extension = None
+                continue
+            if group.uses_post_forward_mesh:
+                raise NotImplementedError(
+                    f"torch_fsdp_ext.fully_shard: {param.fqn} has an all-gather extension; "
+                    "reshard_after_forward as an int (a post-forward mesh) does not support "
+                    "all-gather extensions, as upstream's")
+            if param.unsharded_spec is not None:
+                raise NotImplementedError(
+                    f"torch_fsdp_ext.fully_shard: {param.fqn} is a DTensor (tensor-parallel) "
+                    "parameter with an all-gather extension, which is not supported yet")
+            if param.shard_dim != 0:
+                raise NotImplementedError(
+                    f"torch_fsdp_ext.fully_shard: {param.fqn} has an all-gather extension and is "
+                    f"sharded on dim {param.shard_dim}; extensions need Shard(0)")
+            mesh = param.sharded_param.device_mesh
+            # HSDP: the hook sees the shard mesh only, as upstream's.
+            shard_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
+            padded = (param.padded_sharded_data.numel() // max(1, _trailing_numel(param)),
+                      *param.orig_size[1:])
+            param.extension = AllGatherExtension(param.fqn, param.sharded_param, shard_mesh,
+                                                 param.owner_module, mp_policy, param.orig_size,
+                                                 padded)
+
+
+def _trailing_numel(param) -> int:
+    numel = 1
+    for size in param.orig_size[1:]:
+        numel *= size
+    return numel

@@ -229,6 +229,47 @@ def _build(case, api, mesh):
         extra["groups_per_block"] = [
             len(block._get_fsdp_state()._fsdp_param_groups) for block in model.layers]
         return model, lambda m, r, s: lm_loss(m(lm_batch(r, s)[0]), lm_batch(r, s)[1]), extra
+    if case == "tp_per_param_mesh":
+        # Expert-style parallelism: each block's feed-forward tensor-parallel
+        # (DTensor parameters) on the "tp" dim of a 2x2 (efsdp, tp) mesh and
+        # sharded by FSDP over its "efsdp" dim (ShardPlacementResult); the
+        # other parameters over all 4 ranks (fully_shard's 1-D mesh).
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp._fully_shard._fsdp_common import (
+            FSDPMeshInfo,
+            ShardPlacementResult,
+        )
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh_2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "tp"))
+        expert_info = FSDPMeshInfo(mesh_2d["efsdp"], shard_mesh_dim=0)
+        model = TinyLM()
+        for block in model.layers:
+            parallelize_module(block.feed_forward, mesh_2d["tp"],
+                               {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+
+        def placement(param):
+            if isinstance(param, DTensor):
+                return ShardPlacementResult(Shard(0), expert_info)
+            return None
+
+        for block in model.layers:
+            api.fully_shard(block, mesh=mesh, shard_placement_fn=placement)
+        api.fully_shard(model, mesh=mesh)
+        extra["groups_per_block"] = [
+            len(block._get_fsdp_state()._fsdp_param_groups) for block in model.layers]
+
+        def same_batch_per_tp_pair(m, r, s):
+            # The ranks of a TP pair ({0, 1}, {2, 3}) see the same batch.
+            tokens, targets = lm_batch(r // 2, s)
+            return lm_loss(m(tokens), targets)
+
+        return model, same_batch_per_tp_pair, extra
     if case == "tied_grouped":
         model = TiedLM()
         for layer in (model.body[0], model.body[2]):
@@ -408,6 +449,15 @@ def test_per_param_mesh_matches_upstream():
     parameter groups (an all-gather and a reduce-scatter each), with
     upstream's losses, parameters and collective counts."""
     per_rank = _run_case(4, "fsdp_ext", (4,), "per_param_mesh")
+    assert per_rank[0]["ours"]["report"]["groups_per_block"] == [2] * len(TinyLM().layers)
+
+
+@requires_upstream("per_param_mesh")
+def test_tensor_parallel_parameters_on_a_per_param_mesh_match_upstream():
+    """DTensor (tensor-parallel) parameters with a mesh of their own through
+    ShardPlacementResult, as MoE models shard experts: upstream's losses,
+    parameters and collective counts."""
+    per_rank = _run_case(4, "fsdp_ext", (4,), "tp_per_param_mesh")
     assert per_rank[0]["ours"]["report"]["groups_per_block"] == [2] * len(TinyLM().layers)
 
 

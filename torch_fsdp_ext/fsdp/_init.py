@@ -395,10 +395,10 @@ def _per_param_mesh_info(upstream_info, info: MeshInfo, param, per_param_infos) 
             "Per-param mesh via shard_placement_fn requires an FSDPMeshInfo (or HSDPMeshInfo), "
             f"got {type(upstream_info).__name__}"
         )
-    if info.spmd_mesh is not None or isinstance(param, DTensor):
+    if info.spmd_mesh is not None:
         raise NotImplementedError(
             "torch_fsdp_ext.fully_shard: a per-parameter mesh (ShardPlacementResult) together "
-            "with DTensor parameters or dp_mesh_dims is not supported yet"
+            "with dp_mesh_dims is not supported yet"
         )
     entry = per_param_infos.get(id(upstream_info))
     if entry is None or entry[0] is not upstream_info:

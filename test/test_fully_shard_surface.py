@@ -229,6 +229,72 @@ def _build(case, api, mesh):
         extra["groups_per_block"] = [
             len(block._get_fsdp_state()._fsdp_param_groups) for block in model.layers]
         return model, lambda m, r, s: lm_loss(m(lm_batch(r, s)[0]), lm_batch(r, s)[1]), extra
+    if case == "spmd_per_param_mesh":
+        # As tp_per_param_mesh, with the feed-forwards on the full (efsdp,
+        # tp) SPMD mesh (replicated over efsdp, TP over tp) and their
+        # per-parameter mesh given with dp_mesh_dims, as torchtitan shards
+        # experts; the other parameters plain, over all 4 ranks.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import DataParallelMeshDims
+        from torch.distributed.fsdp._fully_shard._fsdp_common import (
+            FSDPMeshInfo,
+            ShardPlacementResult,
+        )
+        from torch.distributed.tensor import (
+            DTensor,
+            Replicate,
+            Shard,
+            distribute_module,
+            distribute_tensor,
+        )
+
+        # Dim names of this implementation's own: DTensor caches specs by
+        # equal meshes, and upstream checks the parameters' mesh by identity.
+        efsdp = f"efsdp_{api.name}"
+        spmd = init_device_mesh("cpu", (2, 2), mesh_dim_names=(efsdp, f"etp_{api.name}"))
+        expert_info = FSDPMeshInfo(spmd[efsdp], shard_mesh_dim=0,
+                                   dp_mesh_dims=DataParallelMeshDims(shard=efsdp),
+                                   spmd_mesh=spmd)
+
+        def partition(name, module, device_mesh):
+            for pname, param in list(module.named_parameters(recurse=False)):
+                tp = Replicate()
+                if name == "w1":
+                    tp = Shard(0)
+                elif name == "w2" and pname == "weight":
+                    tp = Shard(1)
+                module.register_parameter(pname, nn.Parameter(
+                    distribute_tensor(param.detach(), device_mesh, [Replicate(), tp])))
+
+        def to_spmd(module, args, device_mesh):
+            return tuple(DTensor.from_local(a, device_mesh, [Shard(0), Replicate()])
+                         for a in args)
+
+        def to_local(module, out, device_mesh):
+            return out.redistribute(device_mesh, [Shard(0), Replicate()]).to_local()
+
+        model = TinyLM()
+        for block in model.layers:
+            distribute_module(block.feed_forward, spmd, partition, input_fn=to_spmd,
+                              output_fn=to_local)
+
+        def placement(param):
+            if isinstance(param, DTensor):
+                return ShardPlacementResult(Shard(0), expert_info)
+            return None
+
+        for block in model.layers:
+            api.fully_shard(block, mesh=mesh, shard_placement_fn=placement)
+        api.fully_shard(model, mesh=mesh)
+        extra["groups_per_block"] = [
+            len(block._get_fsdp_state()._fsdp_param_groups) for block in model.layers]
+        extra["placements"] = [str(tuple(p.placements)) for p in model.layers[0].parameters()]
+
+        def same_batch_per_tp_pair(m, r, s):
+            tokens, targets = lm_batch(r // 2, s)
+            return lm_loss(m(tokens), targets)
+
+        return model, same_batch_per_tp_pair, extra
     if case == "tp_per_param_mesh":
         # Expert-style parallelism: each block's feed-forward tensor-parallel
         # (DTensor parameters) on the "tp" dim of a 2x2 (efsdp, tp) mesh and
@@ -382,6 +448,8 @@ def train_case(ctx, backend, mesh_shape, case):
             report["hook_streams"] = [sorted(h.streams) for h in extra["hooks"]]
         if "groups_per_block" in extra:
             report["groups_per_block"] = extra["groups_per_block"]
+        if "placements" in extra:
+            report["placements"] = extra["placements"]
         if "ag" in extra:
             report["custom"] = (extra["ag"].calls, extra["ag"].allocs, extra["rs"].calls,
                                 extra["rs"].allocs, sorted(extra["rs"].ops))
@@ -459,6 +527,17 @@ def test_tensor_parallel_parameters_on_a_per_param_mesh_match_upstream():
     parameters and collective counts."""
     per_rank = _run_case(4, "fsdp_ext", (4,), "tp_per_param_mesh")
     assert per_rank[0]["ours"]["report"]["groups_per_block"] == [2] * len(TinyLM().layers)
+
+
+@requires_upstream("dp_mesh_dims")
+def test_per_param_mesh_with_dp_mesh_dims_matches_upstream():
+    """ShardPlacementResult whose FSDPMeshInfo carries dp_mesh_dims (the
+    parameters DTensors on a full SPMD mesh): upstream's losses, parameters,
+    collective counts and placements."""
+    per_rank = _run_case(4, "fsdp_ext", (4,), "spmd_per_param_mesh")
+    report = per_rank[0]["ours"]["report"]
+    assert report["groups_per_block"] == [2] * len(TinyLM().layers)
+    assert "(Shard(dim=0), Shard(dim=1))" in report["placements"], report
 
 
 def _per_param_mesh_errors(ctx, impl):

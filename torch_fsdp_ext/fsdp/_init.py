@@ -395,10 +395,11 @@ def _per_param_mesh_info(upstream_info, info: MeshInfo, param, per_param_infos) 
             "Per-param mesh via shard_placement_fn requires an FSDPMeshInfo (or HSDPMeshInfo), "
             f"got {type(upstream_info).__name__}"
         )
-    if info.spmd_mesh is not None:
+    if info.spmd_mesh is not None and upstream_info.dp_mesh_dims is None:
         raise NotImplementedError(
-            "torch_fsdp_ext.fully_shard: a per-parameter mesh (ShardPlacementResult) together "
-            "with dp_mesh_dims is not supported yet"
+            "torch_fsdp_ext.fully_shard: with dp_mesh_dims, a per-parameter mesh "
+            "(ShardPlacementResult) must carry dp_mesh_dims too (an FSDPMeshInfo of the "
+            f"parameter's SPMD mesh); got {upstream_info}"
         )
     entry = per_param_infos.get(id(upstream_info))
     if entry is None or entry[0] is not upstream_info:
@@ -413,13 +414,17 @@ def _per_param_mesh_info(upstream_info, info: MeshInfo, param, per_param_infos) 
         # The layouts MeshInfo.placements() describes: (Shard,) on a 1-D mesh,
         # (Replicate(), Shard) on a 2-D one.
         layout = (mesh.ndim, upstream_info.shard_mesh_dim, replicate_dim)
-        if layout not in ((1, 0, None), (2, 1, 0)) or upstream_info.dp_mesh_dims is not None:
+        if layout not in ((1, 0, None), (2, 1, 0)):
             raise NotImplementedError(
                 "torch_fsdp_ext.fully_shard: a per-parameter mesh must be 1-D and sharded on "
                 "dim 0 (FSDPMeshInfo) or 2-D with replicate dim 0 and shard dim 1 "
-                f"(HSDPMeshInfo), without dp_mesh_dims; got {upstream_info}"
+                f"(HSDPMeshInfo); got {upstream_info}"
             )
-        entry = (upstream_info, MeshInfo(mesh, upstream_info.shard_mesh_dim, replicate_dim))
+        # With dp_mesh_dims (an SPMD mesh: the parameters are DTensors on the
+        # full mesh), `mesh` is its data-parallel submesh, as fully_shard's.
+        entry = (upstream_info, MeshInfo(mesh, upstream_info.shard_mesh_dim, replicate_dim,
+                                         spmd_mesh=upstream_info.spmd_mesh,
+                                         dp_mesh_dims=upstream_info.dp_mesh_dims))
         per_param_infos[id(upstream_info)] = entry
     return entry[1]
 

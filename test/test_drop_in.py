@@ -178,6 +178,55 @@ def check_mixing_refused(ctx):
     return messages
 
 
+def check_upstream_mixers_refuse_our_modules(ctx):
+    """Upstream's share_comm_ctx and its modules' prefetch setters, given a
+    list that mixes our modules with upstream's: a ValueError naming the
+    function before anything changed (both modules train a step after)."""
+    import torch.distributed.fsdp as upstream
+    from torch.distributed.fsdp._fully_shard._fully_shard import share_comm_ctx
+
+    import torch_fsdp_ext
+
+    mesh = _mesh()
+    calls = {
+        "share_comm_ctx([ours, theirs])": lambda o, t: share_comm_ctx([o, t]),
+        "share_comm_ctx([theirs, ours])": lambda o, t: share_comm_ctx([t, o]),
+        "theirs.set_modules_to_forward_prefetch([ours])":
+            lambda o, t: t.set_modules_to_forward_prefetch([o]),
+        "theirs.set_modules_to_backward_prefetch([ours])":
+            lambda o, t: t.set_modules_to_backward_prefetch([o]),
+    }
+    messages = {}
+    for name, call in calls.items():
+        ours = torch_fsdp_ext.fully_shard(nn.Linear(4, 4), mesh=mesh)
+        theirs = upstream.fully_shard(nn.Linear(4, 4), mesh=mesh)
+        try:
+            call(ours, theirs)
+            messages[name] = "no error"
+        except ValueError as error:
+            messages[name] = str(error)
+        x = torch.randn(2, 4)
+        (ours(x).sum() + theirs(x).sum()).backward()
+    # Our modules alone: upstream's share_comm_ctx works on them.
+    first = torch_fsdp_ext.fully_shard(nn.Linear(4, 4), mesh=mesh)
+    second = torch_fsdp_ext.fully_shard(nn.Linear(4, 4), mesh=mesh)
+    share_comm_ctx([first, second])
+    messages["shared"] = first._get_fsdp_state()._comm_ctx is second._get_fsdp_state()._comm_ctx
+    return messages
+
+
+def test_upstream_functions_refuse_lists_mixing_the_two_runtimes():
+    for messages in get_pool(2).run(check_upstream_mixers_refuse_our_modules):
+        assert messages.pop("shared") is True
+        for name, message in messages.items():
+            assert "together with modules sharded by torch.distributed.fsdp.fully_shard" in \
+                message, (name, message)
+        assert messages["share_comm_ctx([theirs, ours])"].startswith(
+            "torch.distributed.fsdp.share_comm_ctx was given"), messages
+        assert messages["theirs.set_modules_to_backward_prefetch([ours])"].startswith(
+            "upstream's FSDPModule.set_modules_to_backward_prefetch (on FSDPLinear)"), messages
+
+
 def test_modules_of_upstreams_runtime_are_refused_by_ours_with_a_clear_error():
     for messages in get_pool(2).run(check_mixing_refused):
         for message in messages:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -184,6 +185,7 @@ class FSDPModule(UpstreamFSDPModule):
         state = get_fsdp_state(self)
         if state is None:
             raise AssertionError(f"No FSDP state found on {self}")
+        _refuse_upstream_mixing(sys._getframe(1))
         return state
 
     def _groups(self) -> list:
@@ -473,6 +475,53 @@ class _HookOnStream:
         with self._device.stream(self._stream):
             self._hook(output)
         reduced_on.wait_stream(self._stream)
+
+
+# Note [upstream's functions given our modules and theirs]
+# Our modules are upstream FSDPModules, so upstream's share_comm_ctx and its
+# modules' prefetch setters take them in a list, ask each for its state, and
+# then mix the two runtimes' objects (a C++ comm context handed to upstream's
+# groups, our groups as upstream's prefetch targets), failing later with an
+# AttributeError deep in one of them. Both ask every module for its state
+# before they change anything, so that first call is refused here, naming the
+# function, when the list mixes the runtimes (upstream's share_comm_ctx over
+# our modules alone works: the objects it moves are all ours). The caller is
+# recognised by its code object: cheap on every other call.
+_UPSTREAM_MIXERS = {"share_comm_ctx", "set_modules_to_forward_prefetch",
+                    "set_modules_to_backward_prefetch"}
+
+
+def _upstream_frame(frame):
+    """The upstream mixer `frame` runs in (or its comprehension's parent), or None."""
+    from torch.distributed.fsdp._fully_shard import _fully_shard as upstream_module
+
+    for candidate in (frame, frame.f_back):
+        if (candidate is not None and candidate.f_globals is upstream_module.__dict__
+                and candidate.f_code.co_name in _UPSTREAM_MIXERS):
+            return candidate
+    return None
+
+
+def _refuse_upstream_mixing(frame) -> None:
+    if frame.f_code.co_name not in _UPSTREAM_MIXERS and frame.f_code.co_name != "<listcomp>":
+        return
+    caller = _upstream_frame(frame)
+    if caller is None:
+        return
+    name = caller.f_code.co_name
+    if name == "share_comm_ctx":
+        modules = list(caller.f_locals.get("modules") or ())
+        if all(isinstance(m, FSDPModule) for m in modules):
+            return
+        what = "torch.distributed.fsdp.share_comm_ctx"
+    else:
+        what = f"upstream's FSDPModule.{name} (on {type(caller.f_locals.get('self')).__name__})"
+    raise ValueError(
+        f"{what} was given modules sharded by torch_fsdp_ext.fully_shard together with modules "
+        "sharded by torch.distributed.fsdp.fully_shard; the two runtimes cannot share a comm "
+        "context or prefetch each other. Shard all of them with one fully_shard, or use "
+        "torch_fsdp_ext.share_comm_ctx / our modules' setters on our modules."
+    )
 
 
 def _mesh_device_type(module: nn.Module) -> str:

@@ -6,6 +6,7 @@ over fsdp_ext, in the same processes.
     python benchmarks/fsdp_step.py --world-size 4 --configs hsdp
     python benchmarks/fsdp_step.py --hosts 2 [--ranks-per-host 1] [--netem-rate-mbit 10000]
     python benchmarks/fsdp_step.py --device cuda [--world-sizes 1,2] [--steps 12]
+    python benchmarks/fsdp_step.py --host-time [--world-sizes 1,2] [--models small-blocks]
 
 Contenders (each trains its own copy of the same model, same seeds and data;
 one step each in turn, so host noise hits all alike; --order blocked runs all
@@ -108,8 +109,10 @@ def _mesh(contender_backend, config, gloo):
                             backend_override=override)
 
 
-def build(model_name, contender, gloo, config="fp32"):
-    """(model, number of FSDP groups, step function(step, rank) -> loss)."""
+def build(model_name, contender, gloo, config="fp32", optimizer=True):
+    """(model, number of FSDP groups, step function(step, rank) -> loss).
+    optimizer=False: the step is forward and backward only (gradients are
+    dropped after it), the host-time view's step."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -163,11 +166,68 @@ def build(model_name, contender, gloo, config="fp32"):
         inputs, targets = data(index, rank)
         loss = loss_fn(model(inputs), targets)
         loss.backward()
-        optim.step()
+        if optimizer:
+            optim.step()
         optim.zero_grad()
         return loss.item()
 
     return model, groups, step
+
+
+HOST_TIME_CONTENDERS = ["upstream/fsdp_ext", "ours/fsdp_ext"]
+
+
+def _host_time_worker(rank, world, init_file, queue, args):
+    """--host-time: forward and backward only, local against ours and
+    upstream's over fsdp_ext, one step each in turn."""
+    gloo = init_rank(rank, world, init_file, args.pin_ranks)
+    _quiet_upstream_view_warning()
+    import torch
+    import torch.distributed as dist
+
+    results = {}
+    for model_name in args.models:
+        names = ["local"] + HOST_TIME_CONTENDERS
+        built = {n: build(model_name, n, gloo, "fp32", optimizer=False) for n in names}
+        times = {n: [] for n in names}
+        for index in range(args.steps):
+            for name in names:
+                dist.barrier(group=gloo)
+                start = time.perf_counter()
+                built[name][2](index, rank)
+                times[name].append(time.perf_counter() - start)
+        for name in names:
+            t = torch.tensor(times[name], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
+            times[name] = t.tolist()
+        results[model_name] = {"times": times,
+                               "groups": {n: built[n][1] for n in names}}
+        del built
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def host_time_table(results, world, steps):
+    """The host-time view: per group and step, the time each runtime adds to
+    the local step (forward and backward; at world size 1 nothing is
+    communicated, so all of it is host time)."""
+    steady = steps // 3
+    out = [f"\nHost time per FSDP group, forward + backward, world size {world} over fsdp_ext "
+           f"(median of steps {steady}..{steps - 1}):\n",
+           "| model | groups | local ms | upstream ms | ours ms | ours / local | "
+           "upstream us/group | ours us/group | ours / upstream per group |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for model_name, result in results.items():
+        med = {n: statistics.median(t[steady:]) for n, t in result["times"].items()}
+        groups = result["groups"]["ours/fsdp_ext"]
+        per_group = {n: (med[n] - med["local"]) / groups * 1e6 for n in HOST_TIME_CONTENDERS}
+        up, ours = per_group["upstream/fsdp_ext"], per_group["ours/fsdp_ext"]
+        out.append(f"| {model_name} | {groups} | {med['local'] * 1e3:.2f} | "
+                   f"{med['upstream/fsdp_ext'] * 1e3:.2f} | {med['ours/fsdp_ext'] * 1e3:.2f} | "
+                   f"{med['ours/fsdp_ext'] / med['local']:.2f}x | {up:.0f} | {ours:.0f} | "
+                   f"{ours / up:.2f} |")
+    return "\n".join(out)
 
 
 def _quiet_upstream_view_warning():
@@ -422,6 +482,11 @@ def link_bound_table(results, link, rate_mbit):
     return "\n".join(out)
 
 
+def _default_output(args):
+    name = "fsdp_step.json" if args.hosts == 1 else "fsdp_step_2hosts.json"
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
@@ -444,7 +509,11 @@ def main():
                         help="cuda: ours vs upstream on a CUDA mesh, NCCL at world size 1 and "
                         "fsdp_ext at 2 on the one GPU (_cuda_fsdp_step.py; --world-sizes, "
                         "--models and --steps apply)")
-    parser.add_argument("--world-sizes", default="1,2", help="--device cuda: comma-separated")
+    parser.add_argument("--world-sizes", default="1,2",
+                        help="--device cuda and --host-time: comma-separated")
+    parser.add_argument("--host-time", action="store_true",
+                        help="the host-time view: forward + backward only, local, upstream and "
+                        "ours over fsdp_ext, at each of --world-sizes")
     parser.add_argument("--torchrun-worker", metavar="RESULT_FILE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device == "cuda":
@@ -456,8 +525,7 @@ def main():
         return _cuda_fsdp_step.run([int(w) for w in args.world_sizes.split(",")],
                                    args.models.split(","), args.steps, output)
     if args.output is None:
-        name = "fsdp_step.json" if args.hosts == 1 else "fsdp_step_2hosts.json"
-        args.output = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
+        args.output = _default_output(args)
     args.models = args.models.split(",")
     args.configs = args.configs.split(",")
     unknown = sorted(set(args.configs) - set(CONFIGS))
@@ -472,6 +540,18 @@ def main():
                      f"not {args.world_size}")
     if args.torchrun_worker:
         return _torchrun_worker(args)
+    if args.host_time:
+        runs = {}
+        for world in (int(w) for w in args.world_sizes.split(",")):
+            runs[world] = run_ranks(world, _host_time_worker, args)
+            print(host_time_table(runs[world], world, args.steps), flush=True)
+        output = args.output if args.output != _default_output(args) else os.path.join(
+            os.path.dirname(args.output), "fsdp_step_host_time.json")
+        os.makedirs(os.path.dirname(output), exist_ok=True)
+        with open(output, "w") as f:
+            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+        print(f"\nwrote {output}")
+        return
     link = None
     if args.hosts == 2:
         ran, link = run_on_two_hosts(__file__, sys.argv[1:], args.ranks_per_host,

@@ -360,7 +360,7 @@ def resolve_placement(shard_placement_fn, param: nn.Parameter, info: MeshInfo,
     param_info = info
     per_param_mesh = _compat.ShardPlacementResult
     if per_param_mesh is not None and isinstance(result, per_param_mesh):
-        param_info = _per_param_mesh_info(result.mesh_info, info, param, per_param_infos)
+        param_info = _per_param_mesh_info(result.mesh_info, info, per_param_infos)
         result = result.placement
     if result is None:
         return Shard(0), param_info
@@ -383,7 +383,7 @@ def resolve_placement(shard_placement_fn, param: nn.Parameter, info: MeshInfo,
     return Shard(dim), param_info
 
 
-def _per_param_mesh_info(upstream_info, info: MeshInfo, param, per_param_infos) -> MeshInfo:
+def _per_param_mesh_info(upstream_info, info: MeshInfo, per_param_infos) -> MeshInfo:
     """The MeshInfo for an upstream FSDPMeshInfo: parameters naming one
     upstream object share one MeshInfo object, which is how group_by_mesh
     recognises them (each entry holds the upstream object too, so that its

@@ -9,8 +9,8 @@
 # probes the machine (shared/gpu-kit/probe.py), unpacks UCX, builds the
 # extension with its CUDA parts for sm_90 against the machine's torch on every
 # core, checks a 2-rank CPU run, runs the CUDA tests (test/test_cuda.py, then
-# fully_shard on CUDA meshes: test/test_cuda_fsdp.py) and a short CUDA
-# benchmark (benchmarks/collectives.py --device cuda). Each step
+# fully_shard on CUDA meshes: test/test_cuda_fsdp.py) and short CUDA
+# benchmarks (benchmarks/fsdp_step.py and collectives.py, --device cuda). Each step
 # has a time limit, the whole at most 8 minutes (BUDGET_S=470); a failing step does not
 # stop the next (but for the build). Logs and tables go under $OUT (fetched by
 # the device tool); the last lines printed are the summary.

@@ -2,10 +2,12 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from harness import WorkerPool  # noqa: E402
+from torch_fsdp_ext import _build_info  # noqa: E402
 
 _pools = {}
 
@@ -58,3 +60,16 @@ def pytest_sessionfinish(session, exitstatus):
     for pool in _pools.values():
         pool.close()
     _pools.clear()
+
+
+# The CUDA test files' marks: each test skips, saying why, without a build
+# that has the CUDA parts or without a GPU (test/gpu/run.sh runs them on the
+# lent GPU machine).
+REQUIRES_CUDA = [
+    pytest.mark.skipif(not _build_info.WITH_CUDA,
+                       reason="this build of torch_fsdp_ext has no CUDA parts (torch is a CPU "
+                              "build, or no nvcc, or FSDP_EXT_CUDA=OFF)"),
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA GPU; none here (test/gpu/run.sh runs these on the "
+                              "lent GPU machine)"),
+]

@@ -23,17 +23,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import get_pool
-from torch_fsdp_ext import _build_info
+from conftest import REQUIRES_CUDA, get_pool
 
-pytestmark = [
-    pytest.mark.skipif(not _build_info.WITH_CUDA,
-                       reason="this build of torch_fsdp_ext has no CUDA parts (torch is a CPU "
-                              "build, or no nvcc, or FSDP_EXT_CUDA=OFF)"),
-    pytest.mark.skipif(not torch.cuda.is_available(),
-                       reason="needs a CUDA GPU; none here (test/gpu/run.sh runs these on the "
-                              "lent GPU machine)"),
-]
+pytestmark = REQUIRES_CUDA
 
 SIZES = [0, 1, 3, 8191, 3 << 18]  # the last: 786432 elements, 3 MiB of fp32
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64,

@@ -27,17 +27,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import get_pool
-from torch_fsdp_ext import _build_info
+from conftest import REQUIRES_CUDA, get_pool
 
-pytestmark = [
-    pytest.mark.skipif(not _build_info.WITH_CUDA,
-                       reason="this build of torch_fsdp_ext has no CUDA parts (torch is a CPU "
-                              "build, or no nvcc, or FSDP_EXT_CUDA=OFF)"),
-    pytest.mark.skipif(not torch.cuda.is_available(),
-                       reason="needs a CUDA GPU; none here (test/gpu/run.sh runs these on the "
-                              "lent GPU machine)"),
-]
+pytestmark = REQUIRES_CUDA
 
 STEPS = 10
 DIM = 64

@@ -168,6 +168,32 @@ def _grouped_head_lm(api, mesh):
     return model
 
 
+def _shard_experts_on_their_mesh(model, api, mesh, expert_info, extra):
+    """fully_shard for the per-parameter-mesh cases over a TinyLM whose
+    feed-forwards hold DTensor parameters: those go to `expert_info`'s mesh
+    (ShardPlacementResult), the rest to `mesh`; the ranks of a TP pair
+    ({0, 1}, {2, 3}) see the same batch."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.tensor import DTensor, Shard
+
+    def placement(param):
+        if isinstance(param, DTensor):
+            return ShardPlacementResult(Shard(0), expert_info)
+        return None
+
+    for block in model.layers:
+        api.fully_shard(block, mesh=mesh, shard_placement_fn=placement)
+    api.fully_shard(model, mesh=mesh)
+    extra["groups_per_block"] = [
+        len(block._get_fsdp_state()._fsdp_param_groups) for block in model.layers]
+
+    def same_batch_per_tp_pair(m, r, s):
+        tokens, targets = lm_batch(r // 2, s)
+        return lm_loss(m(tokens), targets)
+
+    return model, same_batch_per_tp_pair, extra
+
+
 def _build(case, api, mesh):
     """(model, loss_fn(model, rank, step), state to report) for `case`."""
     extra = {}
@@ -236,10 +262,7 @@ def _build(case, api, mesh):
         # experts; the other parameters plain, over all 4 ranks.
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import DataParallelMeshDims
-        from torch.distributed.fsdp._fully_shard._fsdp_common import (
-            FSDPMeshInfo,
-            ShardPlacementResult,
-        )
+        from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
         from torch.distributed.tensor import (
             DTensor,
             Replicate,
@@ -278,34 +301,16 @@ def _build(case, api, mesh):
             distribute_module(block.feed_forward, spmd, partition, input_fn=to_spmd,
                               output_fn=to_local)
 
-        def placement(param):
-            if isinstance(param, DTensor):
-                return ShardPlacementResult(Shard(0), expert_info)
-            return None
-
-        for block in model.layers:
-            api.fully_shard(block, mesh=mesh, shard_placement_fn=placement)
-        api.fully_shard(model, mesh=mesh)
-        extra["groups_per_block"] = [
-            len(block._get_fsdp_state()._fsdp_param_groups) for block in model.layers]
+        built = _shard_experts_on_their_mesh(model, api, mesh, expert_info, extra)
         extra["placements"] = [str(tuple(p.placements)) for p in model.layers[0].parameters()]
-
-        def same_batch_per_tp_pair(m, r, s):
-            tokens, targets = lm_batch(r // 2, s)
-            return lm_loss(m(tokens), targets)
-
-        return model, same_batch_per_tp_pair, extra
+        return built
     if case == "tp_per_param_mesh":
         # Expert-style parallelism: each block's feed-forward tensor-parallel
         # (DTensor parameters) on the "tp" dim of a 2x2 (efsdp, tp) mesh and
         # sharded by FSDP over its "efsdp" dim (ShardPlacementResult); the
         # other parameters over all 4 ranks (fully_shard's 1-D mesh).
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp._fully_shard._fsdp_common import (
-            FSDPMeshInfo,
-            ShardPlacementResult,
-        )
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             RowwiseParallel,
@@ -319,23 +324,7 @@ def _build(case, api, mesh):
             parallelize_module(block.feed_forward, mesh_2d["tp"],
                                {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
 
-        def placement(param):
-            if isinstance(param, DTensor):
-                return ShardPlacementResult(Shard(0), expert_info)
-            return None
-
-        for block in model.layers:
-            api.fully_shard(block, mesh=mesh, shard_placement_fn=placement)
-        api.fully_shard(model, mesh=mesh)
-        extra["groups_per_block"] = [
-            len(block._get_fsdp_state()._fsdp_param_groups) for block in model.layers]
-
-        def same_batch_per_tp_pair(m, r, s):
-            # The ranks of a TP pair ({0, 1}, {2, 3}) see the same batch.
-            tokens, targets = lm_batch(r // 2, s)
-            return lm_loss(m(tokens), targets)
-
-        return model, same_batch_per_tp_pair, extra
+        return _shard_experts_on_their_mesh(model, api, mesh, expert_info, extra)
     if case == "tied_grouped":
         model = TiedLM()
         for layer in (model.body[0], model.body[2]):

@@ -130,6 +130,7 @@ void ProgressEngine::abort(const std::string& reason) {
       aborting_.store(true, std::memory_order_release);
     }
   }
+  if (config_.small_ops) config_.small_ops->mark_stopped();
   wakeup_->notify_abort();
   shutdown();
 }
@@ -187,8 +188,14 @@ std::string ProgressEngine::broken_reason() const {
 }
 
 void ProgressEngine::mark_broken(const std::string& reason) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (broken_reason_.empty()) broken_reason_ = reason;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!broken_reason_.empty()) return;
+    broken_reason_ = reason;
+  }
+  // Note [a peer that stopped] (small_op_channel.h): peers waiting for this
+  // rank in the channel learn it now rather than at their timeout.
+  if (config_.small_ops) config_.small_ops->mark_stopped();
 }
 
 EngineActivity ProgressEngine::activity() const {

@@ -25,11 +25,13 @@ constexpr size_t kArrivedOffset = 0;
 constexpr size_t kSleepersOffset = 4;
 constexpr size_t kChannelSeqOffset = 8;  // uint64: collective number of the last published op
 constexpr size_t kEngineSeqOffset = 16;  // uint64: the last collective begun over UCX
+constexpr size_t kStoppedOffset = 24;    // uint32: 1 once this rank's group failed
 constexpr size_t kHeaderLine = 64;
 struct SlotHeader {
   uint32_t op_number;
   uint32_t data_bytes;
   ChannelOpKind kind;
+  uint64_t seq;  // the group's collective number of the op (the engine's)
 };
 constexpr size_t kSlotData = 64;  // the data starts one line into the slot
 static_assert(sizeof(SlotHeader) <= kSlotData);
@@ -107,7 +109,7 @@ char* SmallOpChannel::begin(const ChannelOpKind& kind, size_t bytes, uint64_t se
   ++op_number_;
   seq_ = seq;
   char* own = slot(rank_, op_number_);
-  SlotHeader header{op_number_, static_cast<uint32_t>(bytes), kind};
+  SlotHeader header{op_number_, static_cast<uint32_t>(bytes), kind, seq};
   std::memcpy(own, &header, sizeof(header));
   return own + kSlotData;
 }
@@ -197,6 +199,20 @@ void SmallOpChannel::wait(const ChannelWait& wait) const {
                             "FSDP_EXT_*_ALGO that not every rank set");
       }
     }
+    // Note [a peer that stopped] (the header); after the straddle check,
+    // whose message says more.
+    for (int peer : absent) {
+      if (has_stopped(peer)) {
+        throw CommError(ErrorKind::kBroken,
+                        wait.description + ": " +
+                            (wait.describe_peer ? wait.describe_peer(peer)
+                                                : "rank " + std::to_string(peer)) +
+                            " will not publish its part of " + describe_small_op(kind_of(rank_)) +
+                            " (small-op channel, exchange " + std::to_string(op_number_) +
+                            "): that rank has stopped taking part in this group (an earlier failure "
+                            "or an abort there; its own error says which)");
+      }
+    }
     // Sleep on the first absent peer; the others are looked at when it wakes.
     char* region = regions_[absent.front()];
     auto sleepers = word_at(region, kSleepersOffset);
@@ -208,6 +224,34 @@ void SmallOpChannel::wait(const ChannelWait& wait) const {
     }
     sleepers.fetch_sub(1, std::memory_order_seq_cst);
   }
+}
+
+void SmallOpChannel::mark_stopped() {
+  char* region = regions_[rank_];
+  word_at(region, kStoppedOffset).store(1, std::memory_order_seq_cst);
+  // Peers may sleep on `arrived`, which will not move again: wake them so
+  // that they look at `stopped` now rather than at their next slice.
+  if (word_at(region, kSleepersOffset).load(std::memory_order_seq_cst) != 0) {
+    futex_wake_all(reinterpret_cast<uint32_t*>(region + kArrivedOffset));
+  }
+}
+
+bool SmallOpChannel::has_stopped(int peer) const {
+  return word_at(regions_[peer], kStoppedOffset).load(std::memory_order_acquire) != 0;
+}
+
+std::string SmallOpChannel::out_of_step(int peer) const {
+  const auto* mine = reinterpret_cast<const SlotHeader*>(slot(rank_, op_number_));
+  const auto* theirs = reinterpret_cast<const SlotHeader*>(slot(peer, op_number_));
+  if (theirs->op_number == mine->op_number && theirs->seq == mine->seq) return "";
+  return "rank " + std::to_string(peer) + "'s part is its exchange " +
+         std::to_string(theirs->op_number) + " (the group's collective #" +
+         std::to_string(theirs->seq) + ", " + describe_small_op(theirs->kind) +
+         ") where rank " + std::to_string(rank_) + " is at exchange " +
+         std::to_string(mine->op_number) + " (collective #" + std::to_string(mine->seq) + ", " +
+         describe_small_op(mine->kind) +
+         "): the ranks' collectives on this group are out of step (one rank issued a "
+         "collective the other did not)";
 }
 
 void SmallOpChannel::announce_engine_collective(uint64_t seq) {

@@ -26,6 +26,16 @@
 // sleepers only when `sleepers` says there are any, so a hot exchange costs
 // no system call.
 //
+// Note [a peer that stopped]: a rank whose group failed (a timeout, a
+// mismatch it saw first, an abort) never publishes again. Its `stopped` word
+// says so, and a peer waiting for it fails at once, naming it, instead of
+// waiting out the timeout.
+//
+// Every slot header also carries the op's exchange number and the group's
+// collective number, and readers compare both with their own before the
+// data (out_of_step): ranks whose collectives drifted apart fail, saying
+// so, instead of reading a part that belongs to another op.
+//
 // One op at a time per channel: its owner (the engine's turn holder, see
 // progress_engine.h) serialises begin/publish/wait/read.
 #pragma once
@@ -132,6 +142,14 @@ class SmallOpChannel {
   // Ranks that have not published the current op yet (for messages).
   std::vector<int> missing() const;
 
+  // After all_arrived(): "" when `peer`'s part is this op's (same exchange
+  // and collective numbers), else what differs, for the error.
+  std::string out_of_step(int peer) const;
+
+  // This rank will publish no more (its group failed): peers waiting for it
+  // fail at once (Note [a peer that stopped]). Any thread; idempotent.
+  void mark_stopped();
+
   // Note [a size that straddles the channel's limit]: ranks whose sizes
   // differ around kMaxBytes disagree on the path, one waiting in the channel
   // and one on UCX messages. Each side looks for the other instead of
@@ -151,6 +169,8 @@ class SmallOpChannel {
   char* slot(int rank, uint32_t op_number) const;
   // Whether `peer` has published the current op.
   bool has_arrived(int peer) const;
+  // Whether `peer` marked itself stopped.
+  bool has_stopped(int peer) const;
 
   int rank_;
   int size_;

@@ -196,6 +196,30 @@ TEST(SmallOpsErrors, DifferentOpsOrSizesFailOnEveryRankNamingBoth) {
   EXPECT_NE(errors[1].find("mismatch: "), std::string::npos) << errors[1];
 }
 
+// The same op and size, but the ranks number it differently: their
+// collectives on the group drifted apart (one issued one more). Both say so,
+// with both numbers, instead of combining parts of different collectives.
+TEST(SmallOpsErrors, RanksAtDifferentCollectivesFailNamingBothNumbers) {
+  auto channels = connected_channels(2);
+  const auto errors = on_every_rank(2, [&](int rank) {
+    SmallOpChannel& channel = *channels[rank];
+    float value = 1.0f;
+    const ReduceSpec spec{DataType::kFloat32, ReduceKind::kSum};
+    start_small_allreduce(channel, rank == 0 ? 41 : 42, {&value, 4}, spec);
+    channel.wait(wait_for(30s));
+    finish_small_allreduce(channel, {&value, 4}, spec);
+  });
+  EXPECT_NE(errors[0].find("mismatch: rank 1's part is its exchange 1 (the group's collective "
+                           "#42, all_reduce (float32 SUM) of 4 bytes) where rank 0 is at "
+                           "exchange 1 (collective #41"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1].find("mismatch: rank 0's part is its exchange 1 (the group's collective #41"),
+            std::string::npos)
+      << errors[1];
+  EXPECT_NE(errors[1].find("out of step"), std::string::npos) << errors[1];
+}
+
 TEST(SmallOpsErrors, AContributionLargerThanASlotIsRefused) {
   SmallOpChannel channel(0, 2);
   std::vector<char> data(SmallOpChannel::kMaxBytes + 1);
@@ -258,6 +282,34 @@ TEST(SmallOpsWaiting, AFailedHealthCheckEndsTheWait) {
     EXPECT_EQ(error.kind(), ErrorKind::kPeerLost);
   }
   EXPECT_LT(Clock::now() - start, 5s);
+}
+
+// Note [a peer that stopped]: a peer whose group failed never publishes;
+// the waiter, asleep on its futex word, is woken and fails at once.
+TEST(SmallOpsWaiting, APeerThatStoppedEndsTheWaitAtOnce) {
+  auto channels = connected_channels(3);
+  start_small_barrier(*channels[0], 1);
+  start_small_barrier(*channels[1], 1);
+  std::thread stopping([&] {
+    std::this_thread::sleep_for(50ms);  // long past the spin: rank 0 sleeps
+    channels[2]->mark_stopped();
+  });
+  ChannelWait wait = wait_for(30s);
+  wait.describe_peer = [](int rank) { return "peer " + std::to_string(rank); };
+  const auto start = Clock::now();
+  try {
+    channels[0]->wait(wait);
+    FAIL() << "no error";
+  } catch (const CommError& error) {
+    EXPECT_EQ(error.kind(), ErrorKind::kBroken);
+    EXPECT_NE(std::string(error.what())
+                  .find("test op: peer 2 will not publish its part of barrier (small-op "
+                        "channel, exchange 1): that rank has stopped taking part"),
+              std::string::npos)
+        << error.what();
+  }
+  EXPECT_LT(Clock::now() - start, 5s);
+  stopping.join();
 }
 
 // A peer that comes long after the spin: the waiter sleeps on its futex

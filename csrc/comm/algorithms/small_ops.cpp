@@ -23,6 +23,12 @@ uint32_t encode_reduction(const ReduceSpec& spec, size_t members = 0) {
 // rank that did not is named, with both ops, on every rank (each reads all
 // headers, so all of them fail alike and none waits on the others).
 void check_same_op(const SmallOpChannel& channel) {
+  for (int peer = 0; peer < channel.size(); ++peer) {
+    if (peer == channel.rank()) continue;
+    if (std::string drift = channel.out_of_step(peer); !drift.empty()) {
+      throw CommError(ErrorKind::kMismatch, drift);
+    }
+  }
   const ChannelOpKind& mine = channel.kind_of(channel.rank());
   for (int peer = 0; peer < channel.size(); ++peer) {
     const ChannelOpKind& theirs = channel.kind_of(peer);

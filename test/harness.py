@@ -5,8 +5,10 @@ size gets one pool for the whole session: the workers initialise
 ``fsdp_ext`` (plus a gloo group for comparisons) once, then run test
 functions sent to them. ``pool.run(fn, *args)`` calls ``fn(ctx, *args)`` on
 every rank and returns the per-rank results, or raises with every failing
-rank's traceback. A call that exceeds its time limit kills the pool (a test
-must never hang the suite); the next test gets a fresh one.
+rank's traceback. A call that fails or exceeds its time limit retires the
+pool, and the next test gets a fresh one: a failed collective leaves the
+group unusable by design, and a rank may still be inside the failed test, so
+one failure must not become the failure of every test after it.
 """
 
 import datetime
@@ -20,6 +22,10 @@ import traceback
 from dataclasses import dataclass
 
 DEFAULT_CALL_TIMEOUT = 180.0
+
+
+class WorkerExited(RuntimeError):
+    """A worker process ended while the pool waited for its answer."""
 
 
 @dataclass
@@ -94,11 +100,19 @@ class WorkerPool:
             self._receive(rank, 120.0, "start-up")
 
     def _receive(self, rank, timeout, what):
-        conn = self._conns[rank]
-        if not conn.poll(timeout):
-            self.dump_stacks()
-            self.kill()
-            raise TimeoutError(f"rank {rank} did not answer within {timeout}s ({what})")
+        conn, proc = self._conns[rank], self._procs[rank]
+        deadline = time.monotonic() + timeout
+        # In slices: a worker that died (a crash, a failed start-up) is
+        # reported at once, not after the whole time limit.
+        while not conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
+            if not proc.is_alive():
+                self.kill()
+                raise WorkerExited(f"rank {rank}'s worker exited with code {proc.exitcode} "
+                                   f"({what}); its output is above")
+            if time.monotonic() >= deadline:
+                self.dump_stacks()
+                self.kill()
+                raise TimeoutError(f"rank {rank} did not answer within {timeout}s ({what})")
         return conn.recv()
 
     def run(self, fn, *args, timeout=DEFAULT_CALL_TIMEOUT):
@@ -108,18 +122,19 @@ class WorkerPool:
         for rank in range(self.world_size):
             try:
                 status, value = self._receive(rank, timeout, fn.__name__)
-            except TimeoutError as timed_out:
+            except (TimeoutError, WorkerExited) as lost:
                 # A rank that failed first often leaves its peers waiting for
                 # it: its traceback is the cause, so it must not be lost.
                 if not failures:
                     raise
-                raise TimeoutError(
-                    f"{timed_out}; before that, {fn.__name__} failed on:\n" + "\n".join(failures)
+                raise type(lost)(
+                    f"{lost}; before that, {fn.__name__} failed on:\n" + "\n".join(failures)
                 ) from None
             if status == "error":
                 failures.append(f"--- rank {rank} ---\n{value}")
             results.append(value)
         if failures:
+            self.kill()
             raise AssertionError(
                 f"{fn.__name__} failed on {len(failures)} of {self.world_size} ranks:\n"
                 + "\n".join(failures)

@@ -10,6 +10,7 @@
 #include "fsdp/event_trace.hpp"
 #include "fsdp/fsdp_param.hpp"
 #include "fsdp/fsdp_param_group.hpp"
+#include "fsdp/fsdp_state.hpp"
 #include "fsdp/shard_extent.hpp"
 
 namespace py = pybind11;
@@ -262,6 +263,43 @@ void bind_fsdp_runtime(py::module_& m) {
                    ? py::cast(g.reduce_scatter_group().process_group())
                    : py::none();
       });
+
+  // The hook layer's state (fsdp_state.hpp).
+  py::class_<fsdp::FsdpStateContext, std::shared_ptr<fsdp::FsdpStateContext>>(
+      m, "FsdpStateContext", "Shared by the states under one root: the end-of-backward callback.")
+      .def(py::init<>())
+      .def("set_final_callback", &fsdp::FsdpStateContext::set_final_callback,
+           py::arg("callback"),
+           "A callable returning the callable to run at the end of backward, or None "
+           "(weakref.WeakMethod).")
+      .def_property_readonly("final_callback_queued",
+                             &fsdp::FsdpStateContext::final_callback_queued)
+      .def("final_callback_done", &fsdp::FsdpStateContext::final_callback_done);
+  py::class_<fsdp::FsdpState, std::shared_ptr<fsdp::FsdpState>>(
+      m, "FsdpState", "The hook layer's state of one fully_shard call; its backward hooks.")
+      .def(py::init<>())
+      .def_property("training_state", &fsdp::FsdpState::training_state,
+                    &fsdp::FsdpState::set_training_state)
+      .def_property("context", &fsdp::FsdpState::context, &fsdp::FsdpState::set_context)
+      .def_property("groups", &fsdp::FsdpState::groups, &fsdp::FsdpState::set_groups)
+      .def("set_groupless_forward_prefetch",
+           &fsdp::FsdpState::set_groupless_forward_prefetch, py::arg("targets"))
+      .def("set_groupless_backward_prefetch",
+           &fsdp::FsdpState::set_groupless_backward_prefetch, py::arg("targets"))
+      .def_property_readonly("in_pre_backward", &fsdp::FsdpState::in_pre_backward)
+      .def("enter_forward", &fsdp::FsdpState::enter_forward,
+           "FORWARD; True when this is the state's first forward hook of the pass.")
+      .def("pre_forward_groups", &fsdp::FsdpState::pre_forward_groups, py::arg("grad_inputs"),
+           "Each group's pre_forward; the post-backward node on grad_inputs for each group "
+           "entering FORWARD. Returns grad_inputs wrapped.")
+      .def("prefetch_forward", &fsdp::FsdpState::prefetch_forward)
+      .def("post_forward_groups", &fsdp::FsdpState::post_forward_groups,
+           py::arg("inside_backward"), py::arg("grad_outputs"),
+           "Each group's post_forward, the pre-backward hook on grad_outputs, IDLE.")
+      .def("register_pre_backward", &fsdp::FsdpState::register_pre_backward,
+           py::arg("outputs"),
+           "A C++ hook on each output that requires grad: the state's pre_backward.")
+      .def("pre_backward", &fsdp::FsdpState::pre_backward);
 
   m.def("_fsdp_set_trace_sink", &fsdp::EventTrace::set_sink, py::arg("record"),
         "Install record(event, module_fqn, training_state) for every group event; None removes.");

@@ -1,18 +1,21 @@
-"""FSDPState: the Python side of one fully_shard call — module forward hooks
-and autograd hooks that hand each event to the C++ parameter group
-(csrc/fsdp/fsdp_param_group.hpp), plus the root's lazy initialisation and
-end-of-backward callback. Per step this runs a few calls per module; every
-per-parameter loop is in C++."""
+"""FSDPState: the Python side of one fully_shard call -- the module forward
+hooks, which hand each event to the C++ parameter groups
+(csrc/fsdp/fsdp_param_group.hpp), the root's lazy initialisation and its
+end-of-backward callback. The state's C++ half (csrc/fsdp/fsdp_state.hpp)
+holds the training state and runs the backward hooks: the post-backward
+node on forward inputs and the pre-backward hook on outputs run no Python.
+Per step this runs a few Python calls per module in forward and one at the
+end of backward; every per-parameter loop is in C++."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from typing import Any, Optional
 
 import torch
 import torch.nn as nn
-from torch.autograd import Variable
 from torch.distributed._composable_state import _get_module_state, _insert_module_state, _State
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
@@ -21,8 +24,6 @@ from .. import _C
 from . import _extensions, _host_shared, _init
 from ._trace import ShardedState, TrainingState
 
-_FORWARD = TrainingState.FORWARD
-_PRE_BACKWARD = TrainingState.PRE_BACKWARD
 _NO_RANGE = contextlib.nullcontext()
 
 
@@ -52,33 +53,13 @@ class StateContext:
     def __init__(self) -> None:
         self.all_states: list[FSDPState] = []
         self.iter_forward_root: Optional[FSDPState] = None
-        self.post_backward_final_callback_queued = False
+        # Whether the end-of-backward callback is queued, and queuing it
+        # (csrc/fsdp/fsdp_state.hpp): the backward hooks are C++.
+        self.hooks = _C.FsdpStateContext()
         self.is_last_backward = True
         # FSDPModule.set_post_optim_event (device meshes): waited on by the
         # all-gather streams at the next root pre-forward, then forgotten.
         self.post_optim_event = None
-
-
-class RegisterPostBackwardFunction(torch.autograd.Function):
-    """Identity on a module's forward inputs; its backward runs after the
-    module's backward, which is when the group's gradients are complete."""
-
-    @staticmethod
-    def forward(ctx, state, group, *inputs: torch.Tensor):
-        ctx.state = state
-        ctx.group = group
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        ctx.group.post_backward()
-        # Note [end of backward for a partial grouped forward]: a module of
-        # fully_shard([a, b]) called on its own (a chunked loss, or after the
-        # group's forward and backward have finished) takes the partial
-        # post-forward path, which registers no pre-backward hook; without
-        # this, nothing would complete the reduction its post_backward issued.
-        ctx.state._queue_final_callback()
-        return (None, None) + grads
 
 
 def _refuse_upstream_hook_tool(state: "FSDPState", attribute: str) -> NotImplementedError:
@@ -103,12 +84,11 @@ class FSDPState(_State):
         self._fsdp_param_groups: list[_C.FsdpParamGroup] = []
         self._is_root: Optional[bool] = None
         self._state_ctx = StateContext()
+        # The hook layer's C++ half: training state, groups, backward hooks
+        # (Note [the hook layer's order in one step], csrc/fsdp/fsdp_state.hpp).
+        self._hooks = _C.FsdpState()
+        self._hooks.context = self._state_ctx.hooks
         self._comm_ctx = _C.FsdpCommContext()
-        self._training_state = TrainingState.IDLE
-        # Explicit prefetch targets live in the C++ group; a state without
-        # parameters has none, so it keeps its targets' groups here.
-        self._groupless_forward_prefetch: list = []
-        self._groupless_backward_prefetch: list = []
         self._modules_to_run_forward: set[nn.Module] = set()
         self._auto_reshard_after_forward = True
         self._group_initialized = False
@@ -118,6 +98,16 @@ class FSDPState(_State):
         self._device = torch.device("cpu")
         self._hook_handles: list = []
         self._orig_param_uids: list[int] = []
+
+    @property
+    def _training_state(self) -> TrainingState:
+        """Which hook ran last (upstream's FSDPState._training_state); held
+        by the C++ half, whose backward hooks set it."""
+        return self._hooks.training_state
+
+    @_training_state.setter
+    def _training_state(self, state: TrainingState) -> None:
+        self._hooks.training_state = state
 
     @property
     def _fsdp_param_group(self) -> Optional[_C.FsdpParamGroup]:
@@ -219,8 +209,12 @@ class FSDPState(_State):
                 group.set_reshard_after_forward(False)
         self._init_fqns(root)
         self._validate_no_duplicate_params()
+        # Weak: the C++ context must not keep this state (and its model) alive.
+        ctx.hooks.set_final_callback(weakref.WeakMethod(self._root_post_backward_final_callback))
         for state in ctx.all_states:
             state._state_ctx = ctx
+            state._hooks.context = ctx.hooks
+            state._hooks.groups = state._fsdp_param_groups
             state._comm_ctx = self._comm_ctx
             for group in state._fsdp_param_groups:
                 group.comm_ctx = self._comm_ctx
@@ -257,10 +251,11 @@ class FSDPState(_State):
         targets = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
         groups = self._fsdp_param_groups
         if not groups:
+            # No group to issue them: the C++ state does.
             if forward:
-                self._groupless_forward_prefetch = targets
+                self._hooks.set_groupless_forward_prefetch(targets)
             else:
-                self._groupless_backward_prefetch = targets
+                self._hooks.set_groupless_backward_prefetch(targets)
             return
         # The first group issues the prefetches (once per pass of the state).
         if forward:
@@ -319,18 +314,17 @@ class FSDPState(_State):
     # Forward -----------------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        groups = self._fsdp_param_groups
-        if self._training_state is TrainingState.PRE_BACKWARD:
+        hooks = self._hooks
+        if hooks.in_pre_backward:
             # Activation-checkpoint recomputation inside backward: parameters
             # must be unsharded (a later module's post_backward may have
             # resharded them), nothing else.
-            for group in groups:
+            for group in self._fsdp_param_groups:
                 if group.sharded_state != ShardedState.UNSHARDED:
                     group.unshard()
                     group.wait_for_unshard()
             return _cast_floating((args, kwargs), self._input_dtype)
-        first_in_pass = self._training_state is not TrainingState.FORWARD
-        self._training_state = TrainingState.FORWARD
+        first_in_pass = hooks.enter_forward()
         if first_in_pass:
             with _profiler_range("FSDP::root_pre_forward") if self._is_root is not False \
                     else _NO_RANGE:
@@ -339,30 +333,23 @@ class FSDPState(_State):
                     args, kwargs = self._root_pre_forward_on_device(args, kwargs)
             if self._state_ctx.iter_forward_root is None:
                 self._state_ctx.iter_forward_root = self
-        # Cast before the post-backward hook wraps the inputs, so that it sees
+        # Cast before the post-backward node wraps the inputs, so that it sees
         # the gradients of the tensors the module really receives.
         if self._input_dtype is not None:
             with _profiler_range("FSDP::cast_forward_inputs"):
                 args, kwargs = _cast_floating((args, kwargs), self._input_dtype)
-        for group in groups:
-            entering = group.training_state != _FORWARD
-            group.pre_forward()
-            if entering and torch.is_grad_enabled():
-                args, kwargs = _register_post_backward(self, group, args, kwargs)
+        if torch.is_grad_enabled():
+            args, kwargs = _pre_forward_groups(hooks, args, kwargs)
+        else:
+            hooks.pre_forward_groups([])
         if first_in_pass:
-            for group in groups:
-                group.prefetch_forward_targets()
-            for target in self._groupless_forward_prefetch:
-                target.prefetch_unshard(_FORWARD)
+            hooks.prefetch_forward()
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, input: Any, output: Any):
-        if self._training_state is TrainingState.PRE_BACKWARD:
+        if self._hooks.in_pre_backward:
             return _cast_floating(output, self._output_dtype)
-        for group in self._fsdp_param_groups:
-            group.post_forward(_inside_backward())
-        output = self._register_pre_backward_hook(output)
-        self._training_state = TrainingState.IDLE
+        self._hooks.post_forward_groups(_inside_backward(), _tensors_needing_grad(output))
         if self._state_ctx.iter_forward_root is self:
             output = self._force_complete_incomplete_states(output)
             # Note [keeping collective buffers alive across streams]: the last
@@ -403,41 +390,12 @@ class FSDPState(_State):
         for state in reversed(self._state_ctx.all_states):
             if state is self or not state._modules_to_run_forward:
                 continue
-            for group in state._fsdp_param_groups:
-                group.post_forward(_inside_backward())
-            output = state._register_pre_backward_hook(output)
-            state._training_state = TrainingState.IDLE
+            state._hooks.post_forward_groups(_inside_backward(), _tensors_needing_grad(output))
             output = _cast_floating(output, state._output_dtype)
             state._modules_to_run_forward.clear()
         return output
 
-    def _register_pre_backward_hook(self, output: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return output
-        leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                leaf.register_hook(self._pre_backward)
-        return output
-
     # Backward ----------------------------------------------------------------
-
-    def _queue_final_callback(self) -> None:
-        """Once per backward: the end-of-backward callback of the states
-        sharing this state's contexts."""
-        ctx = self._state_ctx
-        if not ctx.post_backward_final_callback_queued:
-            ctx.post_backward_final_callback_queued = True
-            Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
-
-    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        self._training_state = TrainingState.PRE_BACKWARD
-        self._queue_final_callback()
-        for group in self._fsdp_param_groups:
-            group.pre_backward()
-        for target in self._groupless_backward_prefetch:
-            target.prefetch_unshard(_PRE_BACKWARD)
-        return grad
 
     def _root_post_backward_final_callback(self) -> None:
         """After autograd finishes: post_backward for groups autograd did not
@@ -455,7 +413,7 @@ class FSDPState(_State):
                     state._training_state = TrainingState.IDLE
                 self._comm_ctx.finish_backward(ctx.is_last_backward)
         finally:
-            ctx.post_backward_final_callback_queued = False
+            ctx.hooks.final_callback_done()
 
     def _reset_iter_state(self) -> None:
         if self._is_root is False:
@@ -469,7 +427,7 @@ class FSDPState(_State):
                 group.reset_iter_state()
         self._comm_ctx.finish_backward(True)
         ctx.iter_forward_root = None
-        ctx.post_backward_final_callback_queued = False
+        ctx.hooks.final_callback_done()
 
 
 def _cast_floating(tree: Any, dtype: Optional[torch.dtype]) -> Any:
@@ -486,21 +444,36 @@ def _cast_floating(tree: Any, dtype: Optional[torch.dtype]) -> Any:
     return tree_map_only(torch.Tensor, cast, tree)
 
 
-def _register_post_backward(state, group, args: tuple, kwargs: dict):
+def _tensors_needing_grad(output: Any) -> list:
+    """The tensors of a module's output that the pre-backward hook goes on
+    (none outside grad mode)."""
+    if not torch.is_grad_enabled():
+        return []
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad else []
+    return [leaf for leaf in tree_flatten(output)[0]
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+
+
+def _pre_forward_groups(hooks, args: tuple, kwargs: dict):
+    """The groups' pre_forward (C++), with the forward inputs that need
+    gradients wrapped in each entering group's post-backward node
+    (csrc/fsdp/post_backward_registration.hpp); the arguments rebuilt."""
     if not kwargs and all(type(a) is torch.Tensor for a in args):
         # The common case, a few plain tensors: no pytree round trip.
-        if not any(a.requires_grad for a in args):
-            return args, kwargs
         grad_args = [a for a in args if a.requires_grad]
-        outs = iter(RegisterPostBackwardFunction.apply(state, group, *grad_args))
+        wrapped = hooks.pre_forward_groups(grad_args)
+        if not grad_args:
+            return args, kwargs
+        outs = iter(wrapped)
         return tuple(next(outs) if a.requires_grad else a for a in args), kwargs
     leaves, spec = tree_flatten((args, kwargs))
     positions = [
         i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad
     ]
+    wrapped = hooks.pre_forward_groups([leaves[i] for i in positions])
     if not positions:
         return args, kwargs
-    outputs = RegisterPostBackwardFunction.apply(state, group, *(leaves[i] for i in positions))
-    for i, out in zip(positions, outputs):
+    for i, out in zip(positions, wrapped):
         leaves[i] = out
     return tree_unflatten(leaves, spec)

@@ -1,0 +1,113 @@
+#include "fsdp/fsdp_state.hpp"
+
+#include <torch/csrc/autograd/engine.h>
+
+#include "fsdp/post_backward_registration.hpp"
+
+#include <utility>
+
+namespace fsdp_ext::fsdp {
+
+FsdpStateContext::~FsdpStateContext() {
+  if (!final_callback_) return;
+  if (!Py_IsInitialized()) {
+    final_callback_.release();  // the interpreter is gone: nothing to release it to
+    return;
+  }
+  py::gil_scoped_acquire gil;
+  final_callback_ = py::object();
+}
+
+void FsdpStateContext::set_final_callback(py::object callback) {
+  final_callback_ = std::move(callback);
+}
+
+void FsdpStateContext::queue_final_callback() {
+  if (final_callback_queued_) return;
+  final_callback_queued_ = true;
+  // Weak: the engine runs the callback at the end of this backward, and a
+  // context dropped meanwhile (its model deleted) has nothing to finish.
+  std::weak_ptr<FsdpStateContext> weak = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+    py::gil_scoped_acquire gil;
+    if (std::shared_ptr<FsdpStateContext> context = weak.lock()) context->run_final_callback();
+  });
+}
+
+void FsdpStateContext::run_final_callback() {
+  if (!final_callback_) {
+    final_callback_queued_ = false;
+    return;
+  }
+  py::object callback = final_callback_();
+  if (callback.is_none()) {
+    final_callback_queued_ = false;
+    return;
+  }
+  // A Python error propagates to backward()'s caller as itself (autograd
+  // restores a pybind11 error_already_set).
+  callback();
+}
+
+void FsdpState::set_groupless_forward_prefetch(
+    std::vector<std::shared_ptr<FsdpParamGroup>> targets) {
+  groupless_forward_prefetch_.assign(targets.begin(), targets.end());
+}
+
+bool FsdpState::enter_forward() {
+  const bool first = training_state_ != TrainingState::kForward;
+  training_state_ = TrainingState::kForward;
+  return first;
+}
+
+std::vector<at::Tensor> FsdpState::pre_forward_groups(std::vector<at::Tensor> grad_inputs) {
+  for (const auto& group : groups_) {
+    const bool entering = group->training_state() != TrainingState::kForward;
+    group->pre_forward();
+    if (entering && !grad_inputs.empty()) {
+      grad_inputs = register_post_backward(shared_from_this(), group, grad_inputs);
+    }
+  }
+  return grad_inputs;
+}
+
+void FsdpState::prefetch_forward() {
+  for (const auto& group : groups_) group->prefetch_forward_targets();
+  for (const auto& weak_target : groupless_forward_prefetch_) {
+    if (auto target = weak_target.lock()) target->prefetch_unshard(TrainingState::kForward);
+  }
+}
+
+void FsdpState::post_forward_groups(bool inside_backward,
+                                    const std::vector<at::Tensor>& grad_outputs) {
+  for (const auto& group : groups_) group->post_forward(inside_backward);
+  register_pre_backward(grad_outputs);
+  training_state_ = TrainingState::kIdle;
+}
+
+void FsdpState::set_groupless_backward_prefetch(
+    std::vector<std::shared_ptr<FsdpParamGroup>> targets) {
+  groupless_backward_prefetch_.assign(targets.begin(), targets.end());
+}
+
+void FsdpState::register_pre_backward(const std::vector<at::Tensor>& outputs) {
+  std::weak_ptr<FsdpState> weak = weak_from_this();
+  for (const at::Tensor& output : outputs) {
+    if (!output.defined() || !output.requires_grad()) continue;
+    output.register_hook([weak](const at::Tensor&) {
+      py::gil_scoped_acquire gil;
+      if (std::shared_ptr<FsdpState> state = weak.lock()) state->pre_backward();
+    });
+  }
+}
+
+void FsdpState::pre_backward() {
+  training_state_ = TrainingState::kPreBackward;
+  context_->queue_final_callback();
+  for (const auto& group : groups_) group->pre_backward();
+  for (const auto& weak_target : groupless_backward_prefetch_) {
+    if (auto target = weak_target.lock()) target->prefetch_unshard(TrainingState::kPreBackward);
+  }
+}
+
+}  // namespace fsdp_ext::fsdp

@@ -207,10 +207,11 @@ void SmallOpChannel::wait(const ChannelWait& wait) const {
                         wait.description + ": " +
                             (wait.describe_peer ? wait.describe_peer(peer)
                                                 : "rank " + std::to_string(peer)) +
-                            " will not publish its part of " + describe_small_op(kind_of(rank_)) +
+                            " has not published its part of " + describe_small_op(kind_of(rank_)) +
                             " (small-op channel, exchange " + std::to_string(op_number_) +
                             "): that rank has stopped taking part in this group (an earlier failure "
-                            "or an abort there; its own error says which)");
+                            "or an abort there; its own error says which), so this op cannot "
+                            "complete");
       }
     }
     // Sleep on the first absent peer; the others are looked at when it wakes.
@@ -218,7 +219,11 @@ void SmallOpChannel::wait(const ChannelWait& wait) const {
     auto sleepers = word_at(region, kSleepersOffset);
     sleepers.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t seen = word_at(region, kArrivedOffset).load(std::memory_order_seq_cst);
-    if (!reached(seen, op_number_)) {
+    // A peer that marked itself stopped after the look above is not waited
+    // for through a whole slice (mark_stopped wakes only its own sleepers).
+    const bool stopped = std::any_of(absent.begin(), absent.end(),
+                                     [&](int peer) { return has_stopped(peer); });
+    if (!stopped && !reached(seen, op_number_)) {
       futex_sleep(reinterpret_cast<uint32_t*>(region + kArrivedOffset), seen,
                   std::min<Clock::duration>(wait.deadline - now, kSleepSlice));
     }

@@ -27,9 +27,10 @@
 // no system call.
 //
 // Note [a peer that stopped]: a rank whose group failed (a timeout, a
-// mismatch it saw first, an abort) never publishes again. Its `stopped` word
-// says so, and a peer waiting for it fails at once, naming it, instead of
-// waiting out the timeout.
+// mismatch it saw first, a lost peer, an abort) starts no channel op again
+// (one its caller was already running may still publish). Its `stopped`
+// word says so, and a peer waiting for it fails at once, naming it, instead
+// of waiting out the timeout.
 //
 // Every slot header also carries the op's exchange number and the group's
 // collective number, and readers compare both with their own before the

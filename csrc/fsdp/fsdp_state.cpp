@@ -24,7 +24,6 @@ void FsdpStateContext::set_final_callback(py::object callback) {
 
 void FsdpStateContext::queue_final_callback() {
   if (final_callback_queued_) return;
-  final_callback_queued_ = true;
   // Weak: the engine runs the callback at the end of this backward, and a
   // context dropped meanwhile (its model deleted) has nothing to finish.
   std::weak_ptr<FsdpStateContext> weak = weak_from_this();
@@ -32,6 +31,9 @@ void FsdpStateContext::queue_final_callback() {
     py::gil_scoped_acquire gil;
     if (std::shared_ptr<FsdpStateContext> context = weak.lock()) context->run_final_callback();
   });
+  // Only once queued: queue_callback throws outside a backward, and a flag
+  // set anyway would make every later backward skip its callback.
+  final_callback_queued_ = true;
 }
 
 void FsdpStateContext::run_final_callback() {

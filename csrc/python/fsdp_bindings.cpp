@@ -298,8 +298,7 @@ void bind_fsdp_runtime(py::module_& m) {
            "Each group's post_forward, the pre-backward hook on grad_outputs, IDLE.")
       .def("register_pre_backward", &fsdp::FsdpState::register_pre_backward,
            py::arg("outputs"),
-           "A C++ hook on each output that requires grad: the state's pre_backward.")
-      .def("pre_backward", &fsdp::FsdpState::pre_backward);
+           "A C++ hook on each output that requires grad: the state's pre_backward.");
 
   m.def("_fsdp_set_trace_sink", &fsdp::EventTrace::set_sink, py::arg("record"),
         "Install record(event, module_fqn, training_state) for every group event; None removes.");

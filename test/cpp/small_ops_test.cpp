@@ -303,7 +303,7 @@ TEST(SmallOpsWaiting, APeerThatStoppedEndsTheWaitAtOnce) {
   } catch (const CommError& error) {
     EXPECT_EQ(error.kind(), ErrorKind::kBroken);
     EXPECT_NE(std::string(error.what())
-                  .find("test op: peer 2 will not publish its part of barrier (small-op "
+                  .find("test op: peer 2 has not published its part of barrier (small-op "
                         "channel, exchange 1): that rank has stopped taking part"),
               std::string::npos)
         << error.what();

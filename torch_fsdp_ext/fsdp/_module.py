@@ -98,6 +98,8 @@ def fully_shard(
             group.set_reshard_after_forward(group_reshard)
         state._fsdp_param_groups.append(group)
         state._orig_param_uids += [_init.orig_param_uid(params[i]) for i in members]
+    # The hooks' C++ half runs the same groups (csrc/fsdp/fsdp_state.hpp).
+    state._hooks.groups = state._fsdp_param_groups
     if state._fsdp_param_groups:
         _register_state_dict_hooks(state, slots)
     for m in managed:

@@ -214,7 +214,6 @@ class FSDPState(_State):
         for state in ctx.all_states:
             state._state_ctx = ctx
             state._hooks.context = ctx.hooks
-            state._hooks.groups = state._fsdp_param_groups
             state._comm_ctx = self._comm_ctx
             for group in state._fsdp_param_groups:
                 group.comm_ctx = self._comm_ctx

@@ -168,24 +168,31 @@ def _grouped_head_lm(api, mesh):
     return model
 
 
-def _shard_experts_on_their_mesh(model, api, mesh, expert_info, extra):
-    """fully_shard for the per-parameter-mesh cases over a TinyLM whose
-    feed-forwards hold DTensor parameters: those go to `expert_info`'s mesh
-    (ShardPlacementResult), the rest to `mesh`; the ranks of a TP pair
-    ({0, 1}, {2, 3}) see the same batch."""
+def _shard_blocks_with_experts(model, api, mesh, expert_info, is_expert):
+    """fully_shard each block of a TinyLM with the parameters `is_expert`
+    picks on `expert_info`'s mesh (ShardPlacementResult), the rest on `mesh`,
+    then the root; returns the number of parameter groups per block."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
 
     def placement(param):
-        if isinstance(param, DTensor):
-            return ShardPlacementResult(Shard(0), expert_info)
-        return None
+        return ShardPlacementResult(Shard(0), expert_info) if is_expert(param) else None
 
     for block in model.layers:
         api.fully_shard(block, mesh=mesh, shard_placement_fn=placement)
     api.fully_shard(model, mesh=mesh)
-    extra["groups_per_block"] = [
-        len(block._get_fsdp_state()._fsdp_param_groups) for block in model.layers]
+    return [len(block._get_fsdp_state()._fsdp_param_groups) for block in model.layers]
+
+
+def _shard_experts_on_their_mesh(model, api, mesh, expert_info, extra):
+    """fully_shard for the per-parameter-mesh cases over a TinyLM whose
+    feed-forwards hold DTensor parameters: those go to `expert_info`'s mesh,
+    the rest to `mesh`; the ranks of a TP pair ({0, 1}, {2, 3}) see the same
+    batch."""
+    from torch.distributed.tensor import DTensor
+
+    extra["groups_per_block"] = _shard_blocks_with_experts(
+        model, api, mesh, expert_info, lambda param: isinstance(param, DTensor))
 
     def same_batch_per_tp_pair(m, r, s):
         tokens, targets = lm_batch(r // 2, s)
@@ -233,27 +240,14 @@ def _build(case, api, mesh):
         # each block's feed-forward, standing for an expert, on its own 2x2
         # HSDP mesh through ShardPlacementResult: two groups per block.
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp._fully_shard._fsdp_common import (
-            HSDPMeshInfo,
-            ShardPlacementResult,
-        )
-        from torch.distributed.tensor import Shard
+        from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 
         expert_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         expert_info = HSDPMeshInfo(expert_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
         model = TinyLM()
         experts = {id(p) for block in model.layers for p in block.feed_forward.parameters()}
-
-        def placement(param):
-            if id(param) in experts:
-                return ShardPlacementResult(Shard(0), expert_info)
-            return None
-
-        for block in model.layers:
-            api.fully_shard(block, mesh=mesh, shard_placement_fn=placement)
-        api.fully_shard(model, mesh=mesh)
-        extra["groups_per_block"] = [
-            len(block._get_fsdp_state()._fsdp_param_groups) for block in model.layers]
+        extra["groups_per_block"] = _shard_blocks_with_experts(
+            model, api, mesh, expert_info, lambda param: id(param) in experts)
         return model, lambda m, r, s: lm_loss(m(lm_batch(r, s)[0]), lm_batch(r, s)[1]), extra
     if case == "spmd_per_param_mesh":
         # As tp_per_param_mesh, with the feed-forwards on the full (efsdp,

@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "fsdp/host_block_cache.hpp"
 #include "torch_compat.hpp"
 
 namespace fsdp_ext::fsdp {
@@ -206,6 +207,11 @@ at::Tensor CollectiveGroup::buffer(int64_t numel, const at::TensorOptions& optio
     if (backend->supportsTensorAlloc(options.device().index())) {
       return backend->allocateTensor(numel, options);
     }
+  }
+  // Host buffers from the block cache: each group's collectives take and
+  // free the same sizes every step (host_block_cache.hpp).
+  if (options.device().is_cpu() && !options.pinned_memory()) {
+    return HostBlockCache::empty(numel, options.dtype().toScalarType());
   }
   return at::empty({numel}, options);
 }

@@ -8,6 +8,7 @@
 
 #include <utility>
 
+#include "fsdp/host_block_cache.hpp"
 #include "fsdp/shard_extent.hpp"
 
 namespace fsdp_ext::fsdp {
@@ -183,8 +184,13 @@ void FsdpParam::use_host_shared_output(at::Tensor output) {
 const at::Tensor& FsdpParam::allocated_all_gather_output() {
   if (host_shared_) return all_gather_output_;
   if (!all_gather_output_.defined()) {
-    all_gather_output_ = at::empty({all_gather_output_numel()},
-                                   padded_sharded_data_.options().dtype(unsharded_dtype()));
+    // On the host from the block cache, which the storage's later
+    // re-allocations (allocate_storage) go through too.
+    all_gather_output_ =
+        padded_sharded_data_.is_cpu()
+            ? HostBlockCache::empty(all_gather_output_numel(), unsharded_dtype())
+            : at::empty({all_gather_output_numel()},
+                        padded_sharded_data_.options().dtype(unsharded_dtype()));
   } else {
     allocate_storage(all_gather_output_);
   }

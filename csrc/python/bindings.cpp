@@ -16,6 +16,7 @@
 #include "comm/ucx_library.h"
 #include "fsdp/copy_kernels.hpp"
 #include "fsdp/copy_kernels_device.hpp"
+#include "fsdp/host_block_cache.hpp"
 
 namespace py = pybind11;
 using fsdp_ext::backend::FsdpExtBackend;
@@ -185,6 +186,17 @@ PYBIND11_MODULE(_C, m) {
         py::arg("split_sizes"), py::arg("world_size"), py::arg("outputs"),
         py::arg("shard_dims") = std::vector<int64_t>(),
         "Copy the flat all-gather output into per-parameter (world_size x split) tensors.");
+  // The host block cache (csrc/fsdp/host_block_cache.hpp) as tests see it.
+  m.def("_fsdp_host_cache_empty", &fsdp_ext::fsdp::HostBlockCache::empty, py::arg("numel"),
+        py::arg("dtype"), "A 1-D CPU tensor whose storage comes from the host block cache.");
+  m.def("_fsdp_host_cache_idle_bytes",
+        [] { return fsdp_ext::fsdp::HostBlockCache::instance().idle_bytes(); },
+        "Bytes of freed blocks the host block cache keeps for reuse.");
+  m.def("_fsdp_host_cache_release_idle",
+        [] { fsdp_ext::fsdp::HostBlockCache::instance().release_idle(); },
+        "Give every idle block of the host block cache back to the system.");
+  m.attr("_fsdp_host_cache_idle_limit") =
+      py::int_(fsdp_ext::fsdp::HostBlockCache::kIdleBytesLimit);
   m.def("_fsdp_reduce_scatter_copy_in", &fsdp_ext::fsdp::reduce_scatter_copy_in,
         py::arg("gradients"), py::arg("world_size"), py::arg("output"),
         py::arg("shard_dims") = std::vector<int64_t>(),

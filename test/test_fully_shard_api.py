@@ -683,3 +683,59 @@ def check_world_size_one(ctx, impl, backend):
 @pytest.mark.parametrize("backend", ["default", "gloo"])
 def test_world_size_one_issues_no_collectives(backend, impl):
     get_pool(1).run(check_world_size_one, impl, backend)
+
+
+def train_world_size_one(ctx, config):
+    """Both implementations train TinyLM from the same weights at world size 1
+    (config: fp32; accumulate, two backwards per step; bf16 parameters with
+    fp32 reduction; divide, an explicit gradient divide factor). Returns each
+    one's losses and final parameters, and for ours whether every sharded
+    gradient has a storage of its own (no flat reduce buffer behind it)."""
+    torch.manual_seed(0)
+    reference = TinyLM(n_layers=2)
+    out = {}
+    for impl in IMPLS:
+        api = fsdp_api(impl)
+        model = copy.deepcopy(reference)
+        kwargs = {}
+        if config == "bf16":
+            kwargs["mp_policy"] = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                          reduce_dtype=torch.float32)
+        shard_lm(model, api, make_mesh(ctx, "default"), **kwargs)
+        if config == "divide":
+            model.set_gradient_divide_factor(2.0)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, own_storage = [], []
+        for step in range(3):
+            for micro in range(2 if config == "accumulate" else 1):
+                tokens, targets = lm_batch(ctx.rank, 2 * step + micro)
+                loss = lm_loss(model(tokens), targets)
+                loss.backward()
+                losses.append(loss.item())
+            own_storage.append(all(
+                p.grad._local_tensor.untyped_storage().nbytes() == p.numel() * p.element_size()
+                for p in model.parameters()))
+            optim.step()
+            optim.zero_grad()
+        params = {name: p.full_tensor().detach() for name, p in model.named_parameters()}
+        out[impl] = (losses, params, own_storage)
+    return out
+
+
+@pytest.mark.parametrize("config", ["fp32", "accumulate", "bf16", "divide"])
+def test_world_size_one_matches_upstream_bitwise(config):
+    """At world size 1 ours skips the flat reduce buffer where the reduction
+    is the identity (Note [a gradient that is its own shard]): the numbers
+    stay upstream's, bit for bit, in that case and in those that still pack."""
+    out = get_pool(1).run(train_world_size_one, config)[0]
+    ours, upstream = out["ours"], out["upstream"]
+    assert ours[0] == upstream[0], (config, ours[0], upstream[0])
+    for name, param in upstream[1].items():
+        assert torch.equal(ours[1][name], param), (config, name)
+    if config in ("fp32", "accumulate"):
+        # The in-place path ran: no gradient is a view of a packed buffer.
+        assert all(ours[2]), (config, ours[2])
+    else:
+        # A cast or a divide packs, as upstream does.
+        assert not any(ours[2]), (config, ours[2])
+

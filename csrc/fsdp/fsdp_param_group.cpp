@@ -675,6 +675,20 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
            ? group.is_ours(device, CollectiveGroup::Purpose::kReduceScatter)
            : group.averages(device, CollectiveGroup::Purpose::kReduceScatter));
   if (average) reduce.factors.reduce_scatter_divide.reset();
+  if (reduces_in_place(params, grads, world, factors, reduce_dtype)) {
+    // Note [a gradient that is its own shard]: one shard rank, no replicas,
+    // no factor, no cast, no hook, on the host: the reduction is the
+    // identity, so each gradient becomes its shard as it is (contiguous,
+    // above), with no packing into a flat buffer and no copy; upstream
+    // copies it in and out, to the same values. The gradient was taken from
+    // the unsharded parameter, so nothing else refers to it.
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const at::IntArrayRef shard_size(params[i]->sharded_size());
+      params[i]->accumulate_sharded_grad(
+          grads[i].sizes() == shard_size ? grads[i] : grads[i].view(shard_size));
+    }
+    return;
+  }
   if (world > 1 && !factors.pre_divide && !factors.pre_multiply &&
       per_parameter_on(group, CollectiveGroup::Purpose::kReduceScatter, /*from_sharded=*/true)) {
     reduce.output = group.buffer(row_numel, options, options_.allocate_from_group,
@@ -735,6 +749,29 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
   } else {
     comm_->add_reduce(std::move(reduce));
   }
+}
+
+bool FsdpParamGroup::reduces_in_place(const std::vector<std::shared_ptr<FsdpParam>>& params,
+                                      const std::vector<at::Tensor>& grads, int64_t world,
+                                      const ReduceFactors& factors,
+                                      at::ScalarType reduce_dtype) const {
+  if (world != 1 || replicate_group_ || comm_->streams() != nullptr) return false;
+  if (all_reduce_hook_ && !all_reduce_hook_.is_none()) return false;  // it sees the flat buffer
+  if (factors.pre_divide || factors.pre_multiply || factors.single_rank_divide ||
+      factors.reduce_scatter_divide || factors.all_reduce_divide || factors.post_divide) {
+    return false;
+  }
+  const at::ScalarType grad_dtype = grads.front().scalar_type();
+  if (grad_dtype != reduce_dtype || (orig_dtype_ && *orig_dtype_ != grad_dtype)) return false;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    // On the host, unpadded: the shard is the whole gradient.
+    // (A gradient with a history, from create_graph, is copied as upstream's.)
+    if (!grads[i].is_cpu() || grads[i].requires_grad() ||
+        grads[i].numel() != params[i]->padded_shard_numel()) {
+      return false;
+    }
+  }
+  return true;
 }
 
 void FsdpParamGroup::reduce_on_streams(FsdpStreams& streams, PendingReduce reduce,

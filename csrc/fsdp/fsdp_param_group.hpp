@@ -243,6 +243,12 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   void drop_pending_all_gather();
   void reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> params,
                         std::vector<at::Tensor> grads);
+  // Whether the reduction of `grads` is the identity and each can become its
+  // parameter's sharded gradient as it is (Note [a gradient that is its own
+  // shard] in the .cpp).
+  bool reduces_in_place(const std::vector<std::shared_ptr<FsdpParam>>& params,
+                        const std::vector<at::Tensor>& grads, int64_t world,
+                        const ReduceFactors& factors, at::ScalarType reduce_dtype) const;
   // A device reduction whose copy-in is done, on the side streams (Note [a
   // reduction on the side streams] in the .cpp). `average`: AVG asked of the
   // backend in place of the reduce-scatter divide.

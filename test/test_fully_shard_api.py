@@ -739,3 +739,93 @@ def test_world_size_one_matches_upstream_bitwise(config):
         # A cast or a divide packs, as upstream does.
         assert not any(ours[2]), (config, ours[2])
 
+
+# --------------------------------------------------------------------------
+# The forward hooks' C++ path and its hand-overs to Python
+
+
+class _TupleOut(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y.relu()
+
+
+class _ListOutWithKwargs(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x, gate, *, scale=1.0):
+        return [self.lin(x + gate) * scale]
+
+
+class _FlagArgument(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x, negate):
+        y = self.lin(x)
+        return -y if negate else y
+
+
+class _Signatures(nn.Module):
+    """Blocks whose hooks take each path: plain tensors in, a tuple out (C++);
+    a keyword argument, a list out (Python pre-hook, C++ post-hook); a
+    non-tensor argument (Python pre-hook)."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.tuple_out = _TupleOut(dim)
+        self.list_out = _ListOutWithKwargs(dim)
+        self.flag = _FlagArgument(dim)
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        a, b = self.tuple_out(x)
+        (c,) = self.list_out(a, b, scale=0.5)
+        y = self.flag(c, True)  # float32 under mixed precision (output_dtype)
+        return self.head(y.to(self.head.weight.dtype)).float().sum()
+
+
+def train_signatures(ctx, mixed_precision):
+    out = {}
+    torch.manual_seed(0)
+    reference = _Signatures()
+    for impl in IMPLS:
+        api = fsdp_api(impl)
+        model = copy.deepcopy(reference)
+        kwargs = {}
+        if mixed_precision:
+            kwargs["mp_policy"] = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                          output_dtype=torch.float32)
+        for block in (model.tuple_out, model.list_out, model.flag):
+            api.fully_shard(block, **kwargs)
+        api.fully_shard(model, **kwargs)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + ctx.rank))
+            with torch.no_grad():  # a forward outside grad mode first
+                losses.append(model(x).item())
+            loss = model(x)
+            loss.backward()
+            losses.append(loss.item())
+            optim.step()
+            optim.zero_grad()
+        model.reshard()
+        out[impl] = (losses, {n: p.full_tensor().detach() for n, p in model.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True])
+def test_forward_hooks_of_every_signature_match_upstream(mixed_precision):
+    for rank_out in get_pool(2).run(train_signatures, mixed_precision):
+        ours, upstream = rank_out["ours"], rank_out["upstream"]
+        assert ours[0] == upstream[0], (ours[0], upstream[0])
+        for name, param in upstream[1].items():
+            assert torch.equal(ours[1][name], param), name

@@ -3,11 +3,12 @@
 // backward hooks, which run in C++ with no Python frame.
 //
 // Note [the hook layer's order in one step]: per module, as upstream's:
-//  1. forward pre-hook (Python, torch_fsdp_ext/fsdp/_state.py): lazy init at
+//  1. forward pre-hook (C++, forward_hooks.hpp; Python for the root, and
+//     wherever the C++ one hands over, torch_fsdp_ext/fsdp/_state.py): lazy init at
 //     the root, training state FORWARD, each group's pre_forward (unshard),
 //     then the post-backward node on the forward inputs that need gradients
 //     (post_backward_registration.hpp), then the forward prefetches;
-//  2. forward post-hook (Python): each group's post_forward (reshard), then
+//  2. forward post-hook (the same split): each group's post_forward (reshard), then
 //     the pre-backward hook on the outputs that need gradients (here),
 //     training state IDLE;
 //  3. pre-backward (here, a C++ tensor hook: autograd calls it when the
@@ -33,12 +34,15 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "fsdp/fsdp_param_group.hpp"
 #include "fsdp/training_state.hpp"
 
 namespace fsdp_ext::fsdp {
+
+class FsdpState;
 
 // Shared by the states under one root (from its lazy init on): whether the
 // end-of-backward callback is queued for the current backward, and what it
@@ -59,6 +63,11 @@ class FSDP_EXT_HIDDEN FsdpStateContext : public std::enable_shared_from_this<Fsd
   // backward only (as autograd's queue_callback); needs the GIL.
   void queue_final_callback();
   bool final_callback_queued() const { return final_callback_queued_; }
+  // The state whose pre-forward started the current forward (upstream's
+  // iter_forward_root, which the Python state context sets through here);
+  // null between forwards. The C++ forward hooks leave its hooks to Python.
+  std::shared_ptr<FsdpState> forward_root() const { return forward_root_.lock(); }
+  void set_forward_root(const std::shared_ptr<FsdpState>& root) { forward_root_ = root; }
   // The callback ran (or the iteration was reset): the next backward queues
   // it again.
   void final_callback_done() { final_callback_queued_ = false; }
@@ -68,6 +77,7 @@ class FSDP_EXT_HIDDEN FsdpStateContext : public std::enable_shared_from_this<Fsd
 
   py::object final_callback_;
   bool final_callback_queued_ = false;
+  std::weak_ptr<FsdpState> forward_root_;
 };
 
 class FSDP_EXT_HIDDEN FsdpState : public std::enable_shared_from_this<FsdpState> {
@@ -109,6 +119,18 @@ class FSDP_EXT_HIDDEN FsdpState : public std::enable_shared_from_this<FsdpState>
   // `grad_outputs`, then IDLE.
   void post_forward_groups(bool inside_backward, const std::vector<at::Tensor>& grad_outputs);
 
+  // What the C++ forward hooks (forward_hooks.hpp) need of the Python
+  // state, set at the root's lazy init: whether they may take this state's
+  // forwards at all (one module, lazily initialized), and the mixed-precision
+  // casts of its inputs and outputs (none: nullopt).
+  struct ForwardSetup {
+    bool ready = false;
+    std::optional<at::ScalarType> input_dtype;
+    std::optional<at::ScalarType> output_dtype;
+  };
+  const ForwardSetup& forward_setup() const { return forward_setup_; }
+  void set_forward_setup(ForwardSetup setup) { forward_setup_ = setup; }
+
   // Step 3 of Note [the hook layer's order in one step]: a C++ hook on each
   // of `outputs` that requires grad.
   void register_pre_backward(const std::vector<at::Tensor>& outputs);
@@ -121,6 +143,7 @@ class FSDP_EXT_HIDDEN FsdpState : public std::enable_shared_from_this<FsdpState>
   std::vector<std::shared_ptr<FsdpParamGroup>> groups_;
   std::vector<std::weak_ptr<FsdpParamGroup>> groupless_forward_prefetch_;
   std::vector<std::weak_ptr<FsdpParamGroup>> groupless_backward_prefetch_;
+  ForwardSetup forward_setup_;
 };
 
 }  // namespace fsdp_ext::fsdp

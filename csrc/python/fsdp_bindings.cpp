@@ -10,6 +10,7 @@
 #include "fsdp/event_trace.hpp"
 #include "fsdp/fsdp_param.hpp"
 #include "fsdp/fsdp_param_group.hpp"
+#include "fsdp/forward_hooks.hpp"
 #include "fsdp/fsdp_state.hpp"
 #include "fsdp/shard_extent.hpp"
 
@@ -274,7 +275,9 @@ void bind_fsdp_runtime(py::module_& m) {
            "(weakref.WeakMethod).")
       .def_property_readonly("final_callback_queued",
                              &fsdp::FsdpStateContext::final_callback_queued)
-      .def("final_callback_done", &fsdp::FsdpStateContext::final_callback_done);
+      .def("final_callback_done", &fsdp::FsdpStateContext::final_callback_done)
+      .def("set_forward_root", &fsdp::FsdpStateContext::set_forward_root, py::arg("state"),
+           "The state whose pre-forward started the current forward; None between forwards.");
   py::class_<fsdp::FsdpState, std::shared_ptr<fsdp::FsdpState>>(
       m, "FsdpState", "The hook layer's state of one fully_shard call; its backward hooks.")
       .def(py::init<>())
@@ -298,7 +301,31 @@ void bind_fsdp_runtime(py::module_& m) {
            "Each group's post_forward, the pre-backward hook on grad_outputs, IDLE.")
       .def("register_pre_backward", &fsdp::FsdpState::register_pre_backward,
            py::arg("outputs"),
-           "A C++ hook on each output that requires grad: the state's pre_backward.");
+           "A C++ hook on each output that requires grad: the state's pre_backward.")
+      .def(
+          "set_forward_setup",
+          [](fsdp::FsdpState& state, bool ready, std::optional<at::ScalarType> input_dtype,
+             std::optional<at::ScalarType> output_dtype) {
+            state.set_forward_setup({ready, input_dtype, output_dtype});
+          },
+          py::arg("ready"), py::arg("input_dtype"), py::arg("output_dtype"),
+          "Whether the C++ forward hooks may take this state's forwards, and its casts.")
+      .def_property_readonly("forward_hooks_ready",
+                             [](const fsdp::FsdpState& state) {
+                               return state.forward_setup().ready;
+                             });
+
+  // The module forward hooks' C++ path (forward_hooks.hpp).
+  py::class_<fsdp::ForwardHooks, std::shared_ptr<fsdp::ForwardHooks>>(
+      m, "FsdpForwardHooks",
+      "Forward pre/post hooks of a one-module state: C++ for the common case, the given "
+      "Python hooks (weakref.WeakMethod) for the rest.")
+      .def(py::init<const std::shared_ptr<fsdp::FsdpState>&, py::object, py::object>(),
+           py::arg("state"), py::arg("python_pre"), py::arg("python_post"))
+      .def("pre", &fsdp::ForwardHooks::pre, py::arg("module"), py::arg("args"),
+           py::arg("kwargs"))
+      .def("post", &fsdp::ForwardHooks::post, py::arg("module"), py::arg("input"),
+           py::arg("output"));
 
   m.def("_fsdp_set_trace_sink", &fsdp::EventTrace::set_sink, py::arg("record"),
         "Install record(event, module_fqn, training_state) for every group event; None removes.");

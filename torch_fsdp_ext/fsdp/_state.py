@@ -1,11 +1,13 @@
-"""FSDPState: the Python side of one fully_shard call -- the module forward
-hooks, which hand each event to the C++ parameter groups
-(csrc/fsdp/fsdp_param_group.hpp), the root's lazy initialisation and its
+"""FSDPState: the Python side of one fully_shard call -- the forward hooks
+for what the C++ ones hand over (the root's forward, activation-checkpoint
+recomputation, keyword arguments and other pytrees, states of several
+modules; csrc/fsdp/forward_hooks.hpp), the root's lazy initialisation and its
 end-of-backward callback. The state's C++ half (csrc/fsdp/fsdp_state.hpp)
 holds the training state and runs the backward hooks: the post-backward
 node on forward inputs and the pre-backward hook on outputs run no Python.
-Per step this runs a few Python calls per module in forward and one at the
-end of backward; every per-parameter loop is in C++."""
+Per step, for a model whose blocks take and return plain tensors, Python
+runs the root's two forward hooks and its end-of-backward callback; every
+per-module and per-parameter step is C++."""
 
 from __future__ import annotations
 
@@ -52,14 +54,26 @@ class StateContext:
 
     def __init__(self) -> None:
         self.all_states: list[FSDPState] = []
-        self.iter_forward_root: Optional[FSDPState] = None
         # Whether the end-of-backward callback is queued, and queuing it
         # (csrc/fsdp/fsdp_state.hpp): the backward hooks are C++.
         self.hooks = _C.FsdpStateContext()
+        self._iter_forward_root: Optional[FSDPState] = None
         self.is_last_backward = True
         # FSDPModule.set_post_optim_event (device meshes): waited on by the
         # all-gather streams at the next root pre-forward, then forgotten.
         self.post_optim_event = None
+
+
+    @property
+    def iter_forward_root(self) -> Optional["FSDPState"]:
+        """The state whose pre-forward started the current forward; the C++
+        half keeps the same (the C++ forward hooks leave its hooks to Python)."""
+        return self._iter_forward_root
+
+    @iter_forward_root.setter
+    def iter_forward_root(self, state: Optional["FSDPState"]) -> None:
+        self._iter_forward_root = state
+        self.hooks.set_forward_root(None if state is None else state._hooks)
 
 
 def _refuse_upstream_hook_tool(state: "FSDPState", attribute: str) -> NotImplementedError:
@@ -150,9 +164,13 @@ class FSDPState(_State):
         self._output_dtype = mp_policy.output_dtype
         self._auto_reshard_after_forward = auto_reshard_after_forward
         if len(modules) == 1:
+            # C++ hooks for the common case, these Python ones for the rest
+            # (csrc/fsdp/forward_hooks.hpp). Weak: the module holds the hooks.
+            hooks = _C.FsdpForwardHooks(self._hooks, weakref.WeakMethod(self._pre_forward),
+                                        weakref.WeakMethod(self._post_forward))
             self._hook_handles = [
-                modules[0].register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
-                modules[0].register_forward_hook(self._post_forward, prepend=False),
+                modules[0].register_forward_pre_hook(hooks.pre, prepend=True, with_kwargs=True),
+                modules[0].register_forward_hook(hooks.post, prepend=False),
             ]
         else:
             self._register_grouped_hooks(modules)
@@ -228,6 +246,9 @@ class FSDPState(_State):
              for s in ctx.all_states for g in s._fsdp_param_groups), default=1)
         for state in ctx.all_states:
             state._lazy_init_group()
+        for state in ctx.all_states:
+            # From here the C++ forward hooks may take the state's forwards.
+            state._hooks.set_forward_setup(True, state._input_dtype, state._output_dtype)
 
     def _init_fqns(self, root: nn.Module) -> None:
         param_to_fqn = {id(p): n for n, p in root.named_parameters()}

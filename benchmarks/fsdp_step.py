@@ -166,10 +166,15 @@ def build(model_name, contender, gloo, config="fp32", optimizer=True):
         inputs, targets = data(index, rank)
         loss = loss_fn(model(inputs), targets)
         loss.backward()
+        start = time.perf_counter()
         if optimizer:
             optim.step()
         optim.zero_grad()
+        # The optimizer's share of the step (DTensor parameters for FSDP).
+        step.optimizer_seconds.append(time.perf_counter() - start)
         return loss.item()
+
+    step.optimizer_seconds = []
 
     return model, groups, step
 
@@ -281,10 +286,14 @@ def _time_contenders(rank, world, gloo, args, contenders):
             start = time.perf_counter()
             losses[name].append(step(index, rank))
             times[name].append(time.perf_counter() - start)
+        optimizer_times = {}
         for name in names:
             t = torch.tensor(times[name], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
             times[name] = t.tolist()
+            t = torch.tensor(built[name][2].optimizer_seconds, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
+            optimizer_times[name] = t.tolist()
         # One more, untimed step per contender, counting the bytes its
         # collectives move (bf16 halves them).
         comm_mib, crossing_mib = {}, {}
@@ -295,7 +304,8 @@ def _time_contenders(rank, world, gloo, args, contenders):
             comm_mib[name] = counted.bytes / 2**20
             crossing_mib[name] = counted.crossing_bytes / 2**20
         results[f"{model_name} {config}"] = {
-            "model": model_name, "config": config, "times": times, "losses": losses,
+            "model": model_name, "config": config, "times": times,
+            "optimizer_times": optimizer_times, "losses": losses,
             "comm_mib": comm_mib, "crossing_mib": crossing_mib,
             "groups": {name: built[name][1] for name in names},
             "params": sum(p.numel() for p in built["local"][0].parameters()),
@@ -412,9 +422,14 @@ def markdown_tables(run):
         out.append(f"{key}: {result['params'] / 1e6:.2f}M parameters, "
                    f"{result['groups']['ours/gloo']} FSDP groups, {args['world_size']} ranks, "
                    f"median of steps {steady}..{args['steps'] - 1}\n")
+        # The optimizer step (and zero_grad) of each contender, and the rest of
+        # its step against local's rest (runs before this was timed have none).
+        optimizer = {n: statistics.median(t[steady:])
+                     for n, t in result.get("optimizer_times", {}).items()}
         out.append("| contender | step ms | ours vs upstream (same backend) | FSDP ms per group "
-                   "| collective MiB/step | training peak MiB | max loss diff |")
-        out.append("|---|---:|---:|---:|---:|---:|---:|")
+                   "| collective MiB/step | training peak MiB | max loss diff | optimizer ms "
+                   "| without optimizer / local's |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for name in med:
             speedup = ""
             if name.startswith("ours/"):
@@ -431,8 +446,12 @@ def markdown_tables(run):
                 loss = f"{max(abs(a - b) for a, b in zip(losses[name], losses[other])):.1e}"
             comm = result.get("comm_mib", {}).get(name)
             comm = "" if comm is None or name == "local" else f"{comm:.2f}"
+            optim_ms = without = ""
+            if name in optimizer and "local" in optimizer:
+                optim_ms = f"{optimizer[name] * 1e3:.2f}"
+                without = (f"{(med[name] - optimizer[name]) / (med['local'] - optimizer['local']):.2f}x")
             out.append(f"| {name} | {med[name] * 1e3:.2f} | {speedup} | {per_group} | {comm} "
-                       f"| {mem} | {loss} |")
+                       f"| {mem} | {loss} | {optim_ms} | {without} |")
         out.append("")
         by_rank = {name: m["rss_pss_by_rank"] for name, m in result["peak_step_memory_mib"].items()
                    if isinstance(m, dict)}

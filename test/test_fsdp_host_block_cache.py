@@ -3,6 +3,7 @@
 allocation of its size, idle memory stays under its limit, and blocks are
 given back from any thread."""
 
+import gc
 import threading
 
 import torch
@@ -11,6 +12,7 @@ import torch_fsdp_ext._C as _C
 
 
 def _fresh_cache():
+    gc.collect()  # blocks of tensors an earlier test left for the collector
     _C._fsdp_host_cache_release_idle()
     assert _C._fsdp_host_cache_idle_bytes() == 0
 
@@ -31,16 +33,23 @@ def test_a_freed_block_is_reused_by_the_next_allocation_of_its_size():
     assert again[-1].item() == torch.tensor(8191 * 2 - 1, dtype=torch.bfloat16).item()
 
 
-def test_idle_memory_stays_under_the_limit():
+def test_idle_memory_stays_under_the_limit_the_oldest_going_first():
     _fresh_cache()
     limit = _C._fsdp_host_cache_idle_limit
     large = _C._fsdp_host_cache_empty(limit // 4 + 1, torch.float32)  # just over the limit
     del large
     assert _C._fsdp_host_cache_idle_bytes() == 0
-    blocks = [_C._fsdp_host_cache_empty(limit // 3 // 4, torch.float32) for _ in range(4)]
-    del blocks  # three fit, the fourth goes back to the system
+    third = limit // 3 // 4  # float32 elements of a block a third of the limit
+    blocks = [_C._fsdp_host_cache_empty(third, torch.float32) for _ in range(3)]
+    del blocks  # all three fit
+    assert _C._fsdp_host_cache_idle_bytes() == 3 * third * 4
+    # A fourth, of another size (one element more), pushes out the oldest.
+    newcomer = _C._fsdp_host_cache_empty(third + 1, torch.float32)
+    address = newcomer.data_ptr()
+    del newcomer
     idle = _C._fsdp_host_cache_idle_bytes()
-    assert idle == 3 * (limit // 3 // 4) * 4, (idle, limit)
+    assert idle == 2 * third * 4 + (third + 1) * 4, (idle, limit)
+    assert _C._fsdp_host_cache_empty(third + 1, torch.float32).data_ptr() == address
     _C._fsdp_host_cache_release_idle()
     assert _C._fsdp_host_cache_idle_bytes() == 0
 

@@ -740,6 +740,56 @@ def test_world_size_one_matches_upstream_bitwise(config):
         assert not any(ours[2]), (config, ours[2])
 
 
+
+class _ConcatenatedParameters(nn.Module):
+    """Two parameters used through one torch.cat with a row of the input:
+    autograd hands each a gradient that is a view into one storage, which
+    also holds the input row's gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.top = nn.Parameter(torch.randn(4, 3))
+        self.bottom = nn.Parameter(torch.randn(2, 3))
+
+    def forward(self, x):
+        return x @ torch.cat([self.top, self.bottom, x[:1]]).t()
+
+
+def train_concatenated(ctx):
+    torch.manual_seed(0)
+    reference = nn.Sequential(_ConcatenatedParameters(), nn.Linear(7, 1))
+    out = {}
+    for impl in IMPLS:
+        api = fsdp_api(impl)
+        model = copy.deepcopy(reference)
+        api.fully_shard(model[0], mesh=make_mesh(ctx, "default"))
+        api.fully_shard(model, mesh=make_mesh(ctx, "default"))
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        storage_bytes = []
+        for step in range(2):
+            x = torch.randn(5, 3, generator=torch.Generator().manual_seed(step))
+            model(x.requires_grad_()).square().sum().backward()
+            storage_bytes.append([p.grad._local_tensor.untyped_storage().nbytes()
+                                  for p in (model[0].top, model[0].bottom)])
+            optim.step()
+            optim.zero_grad()
+        out[impl] = ({n: p.full_tensor().detach() for n, p in model.named_parameters()},
+                     storage_bytes)
+    return out
+
+
+def test_world_size_one_copies_gradients_that_are_views():
+    """Gradients that are views into a larger storage (parameters used
+    through torch.cat) are copied into shards of their own group's buffer, as
+    upstream's are, not kept as views that hold autograd's whole buffer."""
+    out = get_pool(1).run(train_concatenated)[0]
+    for name, param in out["upstream"][0].items():
+        assert torch.equal(out["ours"][0][name], param), name
+    # The group's flat buffer: (4 + 2) rows of 3 float32 (the cat's
+    # gradient has a seventh row, the input's).
+    assert out["upstream"][1] == [[72, 72], [72, 72]], out["upstream"][1]
+    assert out["ours"][1] == out["upstream"][1], out["ours"][1]
+
 # --------------------------------------------------------------------------
 # The forward hooks' C++ path and its hand-overs to Python
 

@@ -681,7 +681,8 @@ void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> pa
     // identity, so each gradient becomes its shard as it is (contiguous,
     // above), with no packing into a flat buffer and no copy; upstream
     // copies it in and out, to the same values. The gradient was taken from
-    // the unsharded parameter, so nothing else refers to it.
+    // the unsharded parameter and owns its storage, so nothing else refers
+    // to it.
     for (size_t i = 0; i < grads.size(); ++i) {
       const at::IntArrayRef shard_size(params[i]->sharded_size());
       params[i]->accumulate_sharded_grad(
@@ -757,6 +758,8 @@ bool FsdpParamGroup::reduces_in_place(const std::vector<std::shared_ptr<FsdpPara
                                       at::ScalarType reduce_dtype) const {
   if (world != 1 || replicate_group_ || comm_->streams() != nullptr) return false;
   if (all_reduce_hook_ && !all_reduce_hook_.is_none()) return false;  // it sees the flat buffer
+  // A custom reduce-scatter allocates the buffer, at world size 1 too.
+  if (reduce_scatter_group().has_custom_comm()) return false;
   if (factors.pre_divide || factors.pre_multiply || factors.single_rank_divide ||
       factors.reduce_scatter_divide || factors.all_reduce_divide || factors.post_divide) {
     return false;
@@ -764,10 +767,16 @@ bool FsdpParamGroup::reduces_in_place(const std::vector<std::shared_ptr<FsdpPara
   const at::ScalarType grad_dtype = grads.front().scalar_type();
   if (grad_dtype != reduce_dtype || (orig_dtype_ && *orig_dtype_ != grad_dtype)) return false;
   for (size_t i = 0; i < grads.size(); ++i) {
-    // On the host, unpadded: the shard is the whole gradient.
-    // (A gradient with a history, from create_graph, is copied as upstream's.)
-    if (!grads[i].is_cpu() || grads[i].requires_grad() ||
-        grads[i].numel() != params[i]->padded_shard_numel()) {
+    const at::Tensor& grad = grads[i];
+    // On the host, unpadded: the shard is the whole gradient. Copied as
+    // upstream copies: a gradient with a history (create_graph); a tensor
+    // subclass (an all-gather extension's), whose copy-in makes it plain; a
+    // view into a larger storage (the gradient of a slice of torch.cat's
+    // output), which would keep that storage alive and share it.
+    if (!grad.is_cpu() || grad.requires_grad() || params[i]->has_extension() ||
+        grad.key_set().has(c10::DispatchKey::Python) ||
+        grad.numel() != params[i]->padded_shard_numel() || grad.storage_offset() != 0 ||
+        grad.storage().nbytes() != grad.nbytes()) {
       return false;
     }
   }

@@ -1,9 +1,8 @@
 #include "fsdp/host_block_cache.hpp"
 
 #include <ATen/EmptyTensor.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
-
-#include <cstring>
 
 namespace fsdp_ext::fsdp {
 
@@ -23,14 +22,17 @@ c10::DataPtr HostBlockCache::allocate(size_t bytes) {
   Block* block = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = idle_.find(bytes);
-    if (it != idle_.end() && !it->second.empty()) {
-      block = it->second.back();
-      it->second.pop_back();
+    auto same_size = idle_by_size_.find(bytes);
+    if (same_size != idle_by_size_.end() && !same_size->second.empty()) {
+      IdleList::iterator newest = same_size->second.back();
+      same_size->second.pop_back();
+      block = *newest;
+      idle_.erase(newest);
       idle_bytes_ -= bytes;
     }
   }
   if (block == nullptr) block = new Block{c10::alloc_cpu(bytes), bytes};
+  c10::profiledCPUMemoryReporter().New(block->data, bytes);
   return c10::DataPtr(block->data, block, &HostBlockCache::give_back, cpu);
 }
 
@@ -38,19 +40,38 @@ void HostBlockCache::copy_data(void* destination, const void* source, size_t byt
   default_copy_data(destination, source, bytes);
 }
 
-void HostBlockCache::give_back(void* block) {
-  instance().keep_or_free(static_cast<Block*>(block));
+void HostBlockCache::give_back(void* context) {
+  Block* block = static_cast<Block*>(context);
+  c10::profiledCPUMemoryReporter().Delete(block->data);
+  instance().keep(block);
 }
 
-void HostBlockCache::keep_or_free(Block* block) {
+void HostBlockCache::keep(Block* block) {
+  if (block->bytes > kIdleBytesLimit) {
+    free_block(block);
+    return;
+  }
+  std::vector<Block*> evicted;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (idle_bytes_ + block->bytes <= kIdleBytesLimit) {
-      idle_[block->bytes].push_back(block);
-      idle_bytes_ += block->bytes;
-      return;
+    idle_.push_back(block);
+    idle_by_size_[block->bytes].push_back(std::prev(idle_.end()));
+    idle_bytes_ += block->bytes;
+    while (idle_bytes_ > kIdleBytesLimit) {
+      Block* oldest = idle_.front();
+      // The oldest block overall is the oldest of its size.
+      std::vector<IdleList::iterator>& same_size = idle_by_size_[oldest->bytes];
+      same_size.erase(same_size.begin());
+      if (same_size.empty()) idle_by_size_.erase(oldest->bytes);
+      idle_.pop_front();
+      idle_bytes_ -= oldest->bytes;
+      evicted.push_back(oldest);
     }
   }
+  for (Block* old : evicted) free_block(old);
+}
+
+void HostBlockCache::free_block(Block* block) {
   c10::free_cpu(block->data);
   delete block;
 }
@@ -61,18 +82,14 @@ size_t HostBlockCache::idle_bytes() const {
 }
 
 void HostBlockCache::release_idle() {
-  std::unordered_map<size_t, std::vector<Block*>> idle;
+  IdleList idle;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     idle.swap(idle_);
+    idle_by_size_.clear();
     idle_bytes_ = 0;
   }
-  for (auto& [bytes, blocks] : idle) {
-    for (Block* block : blocks) {
-      c10::free_cpu(block->data);
-      delete block;
-    }
-  }
+  for (Block* block : idle) free_block(block);
 }
 
 }  // namespace fsdp_ext::fsdp

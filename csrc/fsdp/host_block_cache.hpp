@@ -14,16 +14,21 @@
 // host it pays the faults.
 //
 // A block freed by its tensor goes into a free list for its exact size; an
-// allocation of that size takes it back. Idle blocks are bounded
-// (kIdleBytesLimit): past the bound, and for blocks larger than it, memory
-// goes back to the system at once, so the cache never holds more than that
-// between steps. Thread-safe: tensors die on any thread (autograd's, a
-// Python finalizer's).
+// allocation of that size takes the most recently freed one back. Idle
+// blocks are bounded (kIdleBytesLimit): past the bound the least recently
+// freed ones go back to the system, so sizes no longer asked for (a second
+// model's, a step whose set of gradients changed) give way to the ones that
+// repeat; a block larger than the bound is never kept. Blocks are reported
+// to torch's CPU memory profiler as the default allocator reports its own,
+// while a tensor holds them. Thread-safe: tensors die on any thread
+// (autograd's, a Python finalizer's).
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Allocator.h>
 
 #include <cstddef>
+#include <iterator>
+#include <list>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -47,7 +52,7 @@ class HostBlockCache final : public c10::Allocator {
   void copy_data(void* destination, const void* source, size_t bytes) const override;
 
   size_t idle_bytes() const;
-  // Frees every idle block (tests; a user who wants the memory back).
+  // Frees every idle block (tests).
   void release_idle();
 
  private:
@@ -55,12 +60,17 @@ class HostBlockCache final : public c10::Allocator {
     void* data;
     size_t bytes;
   };
+  using IdleList = std::list<Block*>;  // least recently freed first
+
   HostBlockCache() = default;
   static void give_back(void* block);  // the DataPtr's deleter
-  void keep_or_free(Block* block);
+  void keep(Block* block);
+  static void free_block(Block* block);
 
   mutable std::mutex mutex_;
-  std::unordered_map<size_t, std::vector<Block*>> idle_;  // by exact size
+  IdleList idle_;
+  // The idle blocks of each size, as positions in idle_, oldest first.
+  std::unordered_map<size_t, std::vector<IdleList::iterator>> idle_by_size_;
   size_t idle_bytes_ = 0;
 };
 

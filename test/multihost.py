@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -93,8 +94,13 @@ class TwoHosts:
         self._delay_ms = delay_ms
         self._rate_mbit = rate_mbit
         self._procs = []
+        # The jobs' temporary files (torchrun's agents make a torchelastic_*
+        # directory each and leave it when a job is killed): made on enter,
+        # removed by close().
+        self._tmpdir = None
 
     def __enter__(self):
+        self._tmpdir = tempfile.mkdtemp(prefix="fsdp_ext_hosts_")
         try:
             self._create()
         except BaseException:
@@ -164,6 +170,7 @@ class TwoHosts:
         env.setdefault("UCX_LOG_LEVEL", "error")
         env["GLOO_SOCKET_IFNAME"] = LINK
         env["OMP_NUM_THREADS"] = "1"
+        env["TMPDIR"] = self._tmpdir
         env.update(extra or {})
         return env
 
@@ -259,3 +266,6 @@ class TwoHosts:
         # The veth pair goes with its namespaces; one still in the root
         # namespace (set-up failed half way) is removed here.
         subprocess.run(["ip", "link", "delete", self._veth[0]], capture_output=True)
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None

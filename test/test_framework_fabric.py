@@ -22,7 +22,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def test_lightning_fabric_trains_with_our_fully_shard_routed_in(tmp_path):
     env = dict(os.environ, UCX_NET_DEVICES="lo", UCX_TLS="self,sm,tcp", UCX_LOG_LEVEL="error",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               TMPDIR=str(tmp_path))  # torchrun's torchelastic_* directory goes there
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2", os.path.join(HERE, "fabric_job.py"), str(tmp_path)]
     proc = subprocess.run(torchrun, env=env, capture_output=True, text=True, timeout=300)

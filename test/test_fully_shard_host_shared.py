@@ -382,6 +382,9 @@ def test_a_rank_that_exits_is_an_error_within_seconds(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--standalone", str(script)],
         capture_output=True, text=True, timeout=120,
+        # torchrun's agent leaves its torchelastic_* directory when a worker
+        # dies: in the test's own directory, not in /tmp.
+        env=dict(os.environ, TMPDIR=str(tmp_path)),
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith(("ERROR", "NO ERROR"))]
     assert len(lines) == 1, out.stdout + out.stderr

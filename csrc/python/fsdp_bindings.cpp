@@ -309,11 +309,7 @@ void bind_fsdp_runtime(py::module_& m) {
             state.set_forward_setup({ready, input_dtype, output_dtype});
           },
           py::arg("ready"), py::arg("input_dtype"), py::arg("output_dtype"),
-          "Whether the C++ forward hooks may take this state's forwards, and its casts.")
-      .def_property_readonly("forward_hooks_ready",
-                             [](const fsdp::FsdpState& state) {
-                               return state.forward_setup().ready;
-                             });
+          "Whether the C++ forward hooks may take this state's forwards, and its casts.");
 
   // The module forward hooks' C++ path (forward_hooks.hpp).
   py::class_<fsdp::ForwardHooks, std::shared_ptr<fsdp::ForwardHooks>>(

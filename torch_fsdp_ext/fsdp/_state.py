@@ -63,7 +63,6 @@ class StateContext:
         # all-gather streams at the next root pre-forward, then forgotten.
         self.post_optim_event = None
 
-
     @property
     def iter_forward_root(self) -> Optional["FSDPState"]:
         """The state whose pre-forward started the current forward; the C++

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import sys
 from typing import Any, Callable, Optional, Union
@@ -106,14 +107,26 @@ def fully_shard(
         m._is_fsdp_managed_module = True
         m._fsdp_use_orig_params = True
     for m in roots:
-        cls = m.__class__
-        fsdp_cls = _cls_to_fsdp_cls.get(cls)
-        if fsdp_cls is None:
-            fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
-                            {"__deepcopy__": _unsupported_deepcopy})
-            _cls_to_fsdp_cls[cls] = fsdp_cls
-        m.__class__ = fsdp_cls
+        m.__class__ = _fsdp_class_of(m.__class__)
     return module
+
+
+def _fsdp_class_of(cls: type) -> type:
+    """``FSDP<cls>``, made once per class (dynamo guards on the class)."""
+    fsdp_cls = _cls_to_fsdp_cls.get(cls)
+    if fsdp_cls is None:
+        fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
+                        {"__deepcopy__": _unsupported_deepcopy})
+        _cls_to_fsdp_cls[cls] = fsdp_cls
+    return fsdp_cls
+
+
+def _new_fsdp_module(orig_cls: type, *args):
+    """Unpickling a sharded module (Note [pickling our sharded modules]):
+    ``FSDP<orig_cls>.__new__``, which is upstream's and, as for upstream's
+    modules, builds an ``orig_cls``."""
+    fsdp_cls = _fsdp_class_of(orig_cls)
+    return fsdp_cls.__new__(fsdp_cls, *args)
 
 
 def _expose_state_to_upstream_accessor(roots, state: FSDPState) -> None:
@@ -419,6 +432,24 @@ class FSDPModule(UpstreamFSDPModule):
         parameters resharded, pending collectives drained, the failed
         iteration's gradients not reduced."""
         self._get_fsdp_state()._reset_iter_state()
+
+    def __reduce_ex__(self, protocol):
+        # Note [pickling our sharded modules]
+        # Pickle names a class by its module and name, which FSDP<Orig> (made
+        # by fully_shard) cannot be found by. Dynamo's guard serialisation
+        # (torch.compile's package: caching_precompile, aot_compile) pickles
+        # the compiled modules; for upstream's it names FSDP<Orig> by Orig,
+        # found at a fixed index of upstream's MRO and looked up in upstream's
+        # class map on load, where ours is neither (our FSDPModule sits
+        # between). So ours names itself: the same reduction, with Orig and
+        # our map in place of the class. Loading then builds what it builds
+        # for upstream's modules (FSDP<Orig>.__new__, upstream's: an Orig).
+        reduced = super().__reduce_ex__(protocol)
+        if (isinstance(reduced, tuple) and len(reduced) >= 2 and reduced[0] is copyreg.__newobj__
+                and reduced[1] and reduced[1][0] is type(self)):
+            orig_cls = type(self).__mro__[self._orig_cls_mro_index]
+            return (_new_fsdp_module, (orig_cls, *reduced[1][1:]), *reduced[2:])
+        return reduced
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         self.reshard()

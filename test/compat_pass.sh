@@ -88,7 +88,12 @@ pass_pip_alone() {  # a venv with only torch; pip install as a user would, no sy
      "$venv/bin/python" -m pip install -q --no-build-isolation .)
   # Only the installed package can be imported from here on.
   rm -rf "$src/torch_fsdp_ext"
-  (cd "$src" && "$venv/bin/torchrun" --standalone --nproc-per-node 2 test/smoke_installed.py)
+  # torchrun's agent leaves a torchelastic_* directory in TMPDIR: a private one.
+  local smoke_tmp
+  smoke_tmp=$(mktemp -d "${TMPDIR:-/tmp}/fsdp_ext_smoke_XXXXXX")
+  (cd "$src" && TMPDIR=$smoke_tmp "$venv/bin/torchrun" --standalone --nproc-per-node 2 \
+     test/smoke_installed.py) || { rm -rf "$smoke_tmp"; return 1; }
+  rm -rf "$smoke_tmp"
   run_core_tests "$venv" "$src"
 }
 

@@ -253,13 +253,10 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     for (int peer : watched.missing) unwatched_peers += " " + std::to_string(peer);
     // Connections on the liveness port that were not this job's peers, since
     // the last group's creation: one line, at most once per group.
-    static std::atomic<uint64_t> refused_reported{0};
-    const uint64_t refused = liveness.refused_connections();
-    const uint64_t reported = refused_reported.exchange(refused);
-    if (refused > reported) {
+    if (const uint64_t refused = liveness.take_unreported_refusals(); refused > 0) {
       LOG(INFO) << "fsdp_ext group '" << group_name_ << "': rank " << rank
                 << ": the liveness listener (" << liveness.endpoint() << ") refused "
-                << refused - reported
+                << refused
                 << " connection(s) that did not prove to be this job's peers (no valid hello)";
     }
     comm::EngineConfig config;

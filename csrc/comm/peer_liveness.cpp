@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <utility>
 
 #include "comm/error.h"
 
@@ -215,6 +216,11 @@ size_t PeerLiveness::connection_count() {
 uint64_t PeerLiveness::refused_connections() {
   std::lock_guard<std::mutex> lock(mutex_);
   return refused_;
+}
+
+uint64_t PeerLiveness::take_unreported_refusals() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return refused_ - std::exchange(refused_reported_, refused_);
 }
 
 PeerLiveness::Hello PeerLiveness::judge(Pending& pending) {

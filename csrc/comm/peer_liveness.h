@@ -100,6 +100,9 @@ class PeerLiveness {
   // Connections the listener closed without filing them (Note above): no
   // valid hello within kHelloDeadline, or a hello without this token.
   uint64_t refused_connections();
+  // Refused connections not yet reported: the count since the last call
+  // (a group's creation logs them once, not again for the next group).
+  uint64_t take_unreported_refusals();
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -124,6 +127,7 @@ class PeerLiveness {
   std::string token_;
   std::vector<Pending> pending_;
   uint64_t refused_ = 0;
+  uint64_t refused_reported_ = 0;  // of refused_, how many were taken as reported
   std::map<std::string, UniqueFd> by_endpoint_;
   // A second connection from a process already connected (a hello that came
   // after this side had given up on it): kept open, since closing it would

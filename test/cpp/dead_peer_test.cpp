@@ -261,6 +261,10 @@ TEST(PeerLiveness, ASilentClientIsRefusedAtItsHelloDeadline) {
                    PeerLiveness::kHelloDeadline + std::chrono::milliseconds(300));
   EXPECT_EQ(listener.refused_connections(), 1u);
   EXPECT_EQ(listener.connection_count(), 0u);
+  // A group's creation reports the refusal once; the next has none to report.
+  EXPECT_EQ(listener.take_unreported_refusals(), 1u);
+  EXPECT_EQ(listener.take_unreported_refusals(), 0u);
+  EXPECT_EQ(listener.refused_connections(), 1u);
 }
 
 TEST(PeerLiveness, TheListenerBindsOnlyTheAddressItAdvertises) {

@@ -51,6 +51,16 @@ void FsdpStateContext::run_final_callback() {
   callback();
 }
 
+void FsdpStateContext::set_states(const std::vector<std::shared_ptr<FsdpState>>& states) {
+  states_.assign(states.begin(), states.end());
+}
+
+void FsdpStateContext::finish_backward(bool is_last_backward) {
+  for (const auto& weak : states_) {
+    if (std::shared_ptr<FsdpState> state = weak.lock()) state->finish_backward(is_last_backward);
+  }
+}
+
 void FsdpState::set_groupless_forward_prefetch(
     std::vector<std::shared_ptr<FsdpParamGroup>> targets) {
   groupless_forward_prefetch_.assign(targets.begin(), targets.end());
@@ -101,6 +111,13 @@ void FsdpState::register_pre_backward(const std::vector<at::Tensor>& outputs) {
       if (std::shared_ptr<FsdpState> state = weak.lock()) state->pre_backward();
     });
   }
+}
+
+void FsdpState::finish_backward(bool is_last_backward) {
+  for (auto group = groups_.rbegin(); group != groups_.rend(); ++group) {
+    (*group)->finish_backward(is_last_backward);
+  }
+  training_state_ = TrainingState::kIdle;
 }
 
 void FsdpState::pre_backward() {

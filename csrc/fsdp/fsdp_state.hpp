@@ -21,7 +21,8 @@
 //     for a partial grouped forward] in docs/design.md);
 //  5. the end-of-backward callback (once per backward, queued on autograd's
 //     engine, run after the last node): the root's Python callback, which
-//     finishes every group and the reductions in flight.
+//     finishes every state's groups (FsdpStateContext::finish_backward, one
+//     C++ call for all of them) and the reductions in flight.
 // Steps 3 and 4 hold the GIL while they call the groups: a group may call
 // Python (comm hooks, all-gather extensions, a Python process group).
 //
@@ -72,12 +73,21 @@ class FSDP_EXT_HIDDEN FsdpStateContext : public std::enable_shared_from_this<Fsd
   // it again.
   void final_callback_done() { final_callback_queued_ = false; }
 
+  // Every state under the root, in the root's module order (set at its lazy
+  // init; weak: each state holds this context).
+  void set_states(const std::vector<std::shared_ptr<FsdpState>>& states);
+  // The end-of-backward callback's per-state part: each state's
+  // finish_backward, in order (a group's error stops it there, as a loop
+  // over the states in Python would).
+  void finish_backward(bool is_last_backward);
+
  private:
   void run_final_callback();
 
   py::object final_callback_;
   bool final_callback_queued_ = false;
   std::weak_ptr<FsdpState> forward_root_;
+  std::vector<std::weak_ptr<FsdpState>> states_;
 };
 
 class FSDP_EXT_HIDDEN FsdpState : public std::enable_shared_from_this<FsdpState> {
@@ -136,6 +146,9 @@ class FSDP_EXT_HIDDEN FsdpState : public std::enable_shared_from_this<FsdpState>
   void register_pre_backward(const std::vector<at::Tensor>& outputs);
   // What that hook does (needs the GIL).
   void pre_backward();
+  // Step 5's share of this state: each group's finish_backward, the last
+  // group first (autograd's order within one module), then IDLE.
+  void finish_backward(bool is_last_backward);
 
  private:
   TrainingState training_state_ = TrainingState::kIdle;

@@ -277,7 +277,11 @@ void bind_fsdp_runtime(py::module_& m) {
                              &fsdp::FsdpStateContext::final_callback_queued)
       .def("final_callback_done", &fsdp::FsdpStateContext::final_callback_done)
       .def("set_forward_root", &fsdp::FsdpStateContext::set_forward_root, py::arg("state"),
-           "The state whose pre-forward started the current forward; None between forwards.");
+           "The state whose pre-forward started the current forward; None between forwards.")
+      .def("set_states", &fsdp::FsdpStateContext::set_states, py::arg("states"),
+           "Every state under the root, in order (held weakly).")
+      .def("finish_backward", &fsdp::FsdpStateContext::finish_backward,
+           py::arg("is_last_backward"), "Each state's finish_backward, in order.");
   py::class_<fsdp::FsdpState, std::shared_ptr<fsdp::FsdpState>>(
       m, "FsdpState", "The hook layer's state of one fully_shard call; its backward hooks.")
       .def(py::init<>())
@@ -299,6 +303,8 @@ void bind_fsdp_runtime(py::module_& m) {
       .def("post_forward_groups", &fsdp::FsdpState::post_forward_groups,
            py::arg("inside_backward"), py::arg("grad_outputs"),
            "Each group's post_forward, the pre-backward hook on grad_outputs, IDLE.")
+      .def("finish_backward", &fsdp::FsdpState::finish_backward, py::arg("is_last_backward"),
+           "Each group's finish_backward, the last group first; then IDLE.")
       .def("register_pre_backward", &fsdp::FsdpState::register_pre_backward,
            py::arg("outputs"),
            "A C++ hook on each output that requires grad: the state's pre_backward.")

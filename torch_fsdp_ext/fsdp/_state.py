@@ -54,6 +54,9 @@ class StateContext:
 
     def __init__(self) -> None:
         self.all_states: list[FSDPState] = []
+        # The states of fully_shard([a, b, ...]): only they track which of
+        # their modules have yet to run forward (_modules_to_run_forward).
+        self.grouped_states: list[FSDPState] = []
         # Whether the end-of-backward callback is queued, and queuing it
         # (csrc/fsdp/fsdp_state.hpp): the backward hooks are C++.
         self.hooks = _C.FsdpStateContext()
@@ -228,6 +231,8 @@ class FSDPState(_State):
         self._validate_no_duplicate_params()
         # Weak: the C++ context must not keep this state (and its model) alive.
         ctx.hooks.set_final_callback(weakref.WeakMethod(self._root_post_backward_final_callback))
+        ctx.hooks.set_states([state._hooks for state in ctx.all_states])
+        ctx.grouped_states = [state for state in ctx.all_states if len(state._modules) > 1]
         for state in ctx.all_states:
             state._state_ctx = ctx
             state._hooks.context = ctx.hooks
@@ -406,7 +411,7 @@ class FSDPState(_State):
     def _force_complete_incomplete_states(self, output: Any) -> Any:
         """Grouped states whose forward ran only some of their modules
         finish their post-forward with the root's."""
-        for state in reversed(self._state_ctx.all_states):
+        for state in reversed(self._state_ctx.grouped_states):
             if state is self or not state._modules_to_run_forward:
                 continue
             state._hooks.post_forward_groups(_inside_backward(), _tensors_needing_grad(output))
@@ -424,12 +429,10 @@ class FSDPState(_State):
         try:
             with _profiler_range("FSDP::root_post_backward_callback"):
                 ctx.iter_forward_root = None
-                for state in ctx.all_states:
+                for state in ctx.grouped_states:
                     state._modules_to_run_forward.clear()
-                    # The last group first: autograd's order within one module.
-                    for group in reversed(state._fsdp_param_groups):
-                        group.finish_backward(ctx.is_last_backward)
-                    state._training_state = TrainingState.IDLE
+                # Every state's groups (the last first), then IDLE: one C++ call.
+                ctx.hooks.finish_backward(ctx.is_last_backward)
                 self._comm_ctx.finish_backward(ctx.is_last_backward)
         finally:
             ctx.hooks.final_callback_done()

@@ -879,3 +879,77 @@ def test_forward_hooks_of_every_signature_match_upstream(mixed_precision):
         assert ours[0] == upstream[0], (ours[0], upstream[0])
         for name, param in upstream[1].items():
             assert torch.equal(ours[1][name], param), name
+
+
+def check_module_call_paths(ctx):
+    """Which of our modules' calls take FSDPModule._call_impl's direct path
+    (Note [our modules' forward call]) and which nn.Module's general one;
+    with user hooks (the module's own and global ones) on both runtimes, the
+    events the hooks see and the losses, to compare with upstream's."""
+    import collections
+
+    import torch.nn.modules.module as nn_module
+
+    from torch_fsdp_ext.fsdp import _module_call
+
+    general_calls = collections.Counter()
+    general_call = _module_call._general_call
+
+    def counting_general_call(module, *args, **kwargs):
+        general_calls[type(module).__name__] += 1
+        return general_call(module, *args, **kwargs)
+
+    _module_call._general_call = counting_general_call
+    out = {}
+    try:
+        torch.manual_seed(0)
+        reference = _Signatures()
+        for impl in IMPLS:
+            api = fsdp_api(impl)
+            model = copy.deepcopy(reference)
+            for block in (model.tuple_out, model.list_out, model.flag):
+                api.fully_shard(block)
+            api.fully_shard(model)
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(ctx.rank))
+            events, losses, calls = [], [], []
+            for hooks in ("none", "module", "global"):
+                general_calls.clear()
+                handles = []
+                if hooks == "module":
+                    block = model.tuple_out
+                    handles.append(block.register_forward_pre_hook(
+                        lambda m, args: events.append(
+                            ("pre", type(m.lin.weight).__name__, tuple(args[0].shape)))))
+                    handles.append(block.register_forward_hook(
+                        lambda m, args, output: (events.append(("post", len(output))),
+                                                 (output[0] * 2, output[1]))[1]))
+                elif hooks == "global":
+                    handles.append(nn_module.register_module_forward_pre_hook(
+                        lambda m, args: events.append(("global", type(m).__name__[-8:]))))
+                try:
+                    loss = model(x)
+                    loss.backward()
+                finally:
+                    for handle in handles:
+                        handle.remove()
+                losses.append(loss.item())
+                calls.append(dict(general_calls))
+            model.zero_grad()
+            out[impl] = (events, losses, calls)
+    finally:
+        _module_call._general_call = general_call
+    return out
+
+
+def test_module_calls_take_the_direct_path_only_without_other_hooks():
+    for rank, out in enumerate(get_pool(2).run(check_module_call_paths)):
+        ours, upstream = out["ours"], out["upstream"]
+        assert ours[0] == upstream[0], (rank, ours[0], upstream[0])
+        assert ours[1] == upstream[1], (rank, ours[1], upstream[1])
+        plain, module_hooks, global_hook = ours[2]
+        # Keyword arguments take the general path; every other call is direct.
+        assert plain == {"FSDP_ListOutWithKwargs": 1}, plain
+        assert module_hooks == {"FSDP_TupleOut": 1, "FSDP_ListOutWithKwargs": 1}, module_hooks
+        assert global_hook == {"FSDP_Signatures": 1, "FSDP_TupleOut": 1,
+                               "FSDP_ListOutWithKwargs": 1, "FSDP_FlagArgument": 1}, global_hook
+        assert ("post", 2) in ours[0] and ("global", "_FlagArgument"[-8:]) in ours[0], ours[0]

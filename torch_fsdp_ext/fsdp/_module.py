@@ -17,8 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.utils import _get_root_modules
 
 from .. import _C
-from . import _init, _module_call
-from ._module_call import ForwardHookPair
+from . import _init
 from ._state import FSDPState, get_fsdp_state
 from ._trace import TrainingState
 
@@ -196,11 +195,6 @@ class FSDPModule(UpstreamFSDPModule):
     # constructed (e.g. Sequential slicing); it finds it at this index of the
     # MRO: FSDP<Orig>, this class, upstream's FSDPModule, Orig.
     _orig_cls_mro_index: int = 3
-
-    # A one-module state's C++ forward hooks, set by the state (None: the
-    # module's calls take nn.Module's path): Note [our modules' forward call].
-    _fsdp_forward_hook_pair: Optional[ForwardHookPair] = None
-    _call_impl = _module_call.call_impl
 
     def _get_fsdp_state(self) -> FSDPState:
         state = get_fsdp_state(self)

@@ -24,7 +24,6 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from .. import _C
 from . import _extensions, _host_shared, _init
-from ._module_call import ForwardHookPair
 from ._trace import ShardedState, TrainingState
 
 _NO_RANGE = contextlib.nullcontext()
@@ -171,15 +170,10 @@ class FSDPState(_State):
             # (csrc/fsdp/forward_hooks.hpp). Weak: the module holds the hooks.
             hooks = _C.FsdpForwardHooks(self._hooks, weakref.WeakMethod(self._pre_forward),
                                         weakref.WeakMethod(self._post_forward))
-            pre, post = hooks.pre, hooks.post
             self._hook_handles = [
-                modules[0].register_forward_pre_hook(pre, prepend=True, with_kwargs=True),
-                modules[0].register_forward_hook(post, prepend=False),
+                modules[0].register_forward_pre_hook(hooks.pre, prepend=True, with_kwargs=True),
+                modules[0].register_forward_hook(hooks.post, prepend=False),
             ]
-            # FSDPModule._call_impl calls them straight while they are the
-            # module's only hooks (Note [our modules' forward call]).
-            modules[0]._fsdp_forward_hook_pair = ForwardHookPair(
-                self._hook_handles[0].id, pre, self._hook_handles[1].id, post)
         else:
             self._register_grouped_hooks(modules)
 

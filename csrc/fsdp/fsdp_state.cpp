@@ -56,7 +56,10 @@ void FsdpStateContext::set_states(const std::vector<std::shared_ptr<FsdpState>>&
 }
 
 void FsdpStateContext::finish_backward(bool is_last_backward) {
-  for (const auto& weak : states_) {
+  // A copy: the groups may call Python (comm hooks, a Python process group),
+  // which could set the states again meanwhile.
+  const std::vector<std::weak_ptr<FsdpState>> states = states_;
+  for (const auto& weak : states) {
     if (std::shared_ptr<FsdpState> state = weak.lock()) state->finish_backward(is_last_backward);
   }
 }

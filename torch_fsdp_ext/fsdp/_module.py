@@ -22,6 +22,8 @@ from ._state import FSDPState, get_fsdp_state
 from ._trace import TrainingState
 
 _cls_to_fsdp_cls: dict[type, type] = {}
+# The other way: the class each FSDP<Orig> was made for.
+_fsdp_cls_to_cls: dict[type, type] = {}
 
 
 @contract(state_cls=FSDPState)
@@ -118,6 +120,7 @@ def _fsdp_class_of(cls: type) -> type:
         fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
                         {"__deepcopy__": _unsupported_deepcopy})
         _cls_to_fsdp_cls[cls] = fsdp_cls
+        _fsdp_cls_to_cls[fsdp_cls] = cls
     return fsdp_cls
 
 
@@ -445,9 +448,9 @@ class FSDPModule(UpstreamFSDPModule):
         # our map in place of the class. Loading then builds what it builds
         # for upstream's modules (FSDP<Orig>.__new__, upstream's: an Orig).
         reduced = super().__reduce_ex__(protocol)
-        if (isinstance(reduced, tuple) and len(reduced) >= 2 and reduced[0] is copyreg.__newobj__
-                and reduced[1] and reduced[1][0] is type(self)):
-            orig_cls = type(self).__mro__[self._orig_cls_mro_index]
+        orig_cls = _fsdp_cls_to_cls.get(type(self))  # None: a class fully_shard did not make
+        if (orig_cls is not None and isinstance(reduced, tuple) and len(reduced) >= 2
+                and reduced[0] is copyreg.__newobj__ and reduced[1] and reduced[1][0] is type(self)):
             return (_new_fsdp_module, (orig_cls, *reduced[1][1:]), *reduced[2:])
         return reduced
 

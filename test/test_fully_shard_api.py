@@ -740,7 +740,6 @@ def test_world_size_one_matches_upstream_bitwise(config):
         assert not any(ours[2]), (config, ours[2])
 
 
-
 class _ConcatenatedParameters(nn.Module):
     """Two parameters used through one torch.cat with a row of the input:
     autograd hands each a gradient that is a view into one storage, which
@@ -789,6 +788,7 @@ def test_world_size_one_copies_gradients_that_are_views():
     # gradient has a seventh row, the input's).
     assert out["upstream"][1] == [[72, 72], [72, 72]], out["upstream"][1]
     assert out["ours"][1] == out["upstream"][1], out["ours"][1]
+
 
 # --------------------------------------------------------------------------
 # The forward hooks' C++ path and its hand-overs to Python

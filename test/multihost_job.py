@@ -167,8 +167,18 @@ def count_liveness_connections(rank, world, hostnames):
             dist.all_reduce(torch.ones(3), group=group)
     endpoints = [None] * world
     dist.all_gather_object(endpoints, _C._liveness_endpoint())
-    my_port = int(endpoints[rank].rsplit(":", 1)[1])
-    peer_ports = {int(e.rsplit(":", 1)[1]) for r, e in enumerate(endpoints) if r != rank}
+
+    def parse(endpoint):  # "ip,ip,...:port" -> ({ip, ...}, port)
+        addresses, port = endpoint.rsplit(":", 1)
+        return set(addresses.split(",")), int(port)
+
+    # A liveness socket joins this process's listener to a process on the
+    # other host, or this process to such a process's listener. Matched on
+    # address and port together: ports alone collide by chance, since each
+    # host (namespace) numbers its ports on its own.
+    my_addresses, my_port = parse(endpoints[rank])
+    other_host = [parse(e) for r, e in enumerate(endpoints) if hostnames[r] != hostnames[rank]]
+    other_addresses = set().union(*(a for a, _ in other_host)) if other_host else set()
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -177,19 +187,28 @@ def count_liveness_connections(rank, world, hostnames):
             continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
-    sockets = 0
+
+    def address_port(field):  # /proc/net/tcp's "0100007F:1F90"
+        address, port = field.split(":")
+        return socket.inet_ntoa(int(address, 16).to_bytes(4, "little")), int(port, 16)
+
+    matched = []
     with open("/proc/self/net/tcp") as table:
         for line in table.readlines()[1:]:
             fields = line.split()
-            local_port = int(fields[1].split(":")[1], 16)
-            remote_port = int(fields[2].split(":")[1], 16)
-            established = fields[3] == "01"
-            if established and fields[9] in inodes and (local_port == my_port or
-                                                         remote_port in peer_ports):
-                sockets += 1
+            if fields[3] != "01" or fields[9] not in inodes:  # established, ours
+                continue
+            local, remote = address_port(fields[1]), address_port(fields[2])
+            accepted = (local[0] in my_addresses and local[1] == my_port
+                        and remote[0] in other_addresses)
+            made = any(remote[0] in a and remote[1] == p for a, p in other_host)
+            if accepted or made:
+                matched.append(f"{local[0]}:{local[1]} -> {remote[0]}:{remote[1]}")
+    sockets = len(matched)
     dist.barrier()
     return {"backend": _C._liveness_connection_count(), "sockets": sockets,
-            "other_host_ranks": sum(h != hostnames[rank] for h in hostnames)}
+            "other_host_ranks": sum(h != hostnames[rank] for h in hostnames),
+            "matched": matched, "endpoints": endpoints}
 
 
 def train(rank, world, steps):

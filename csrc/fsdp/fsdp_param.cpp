@@ -29,10 +29,16 @@ const py::object& parameter_class() {
 
 // DTensor.__new__ is torch's C++ constructor; DTensor.__init__ adds nothing
 // but a dynamo-disabled wrapper that costs ~40x the construction itself, and
-// this runs for every gradient of every step.
+// this runs for every gradient of every step. Called with positional
+// arguments through the vectorcall protocol: pybind's keyword call built a
+// dict per call and cost about as much as the construction.
 py::object make_dtensor(const at::Tensor& local, const py::object& spec) {
   static py::object* construct = new py::object(dtensor_class().attr("__new__"));
-  return (*construct)(dtensor_class(), local, spec, py::arg("requires_grad") = false);
+  py::object wrapped = py::reinterpret_steal<py::object>(THPVariable_Wrap(local));
+  PyObject* args[] = {dtensor_class().ptr(), wrapped.ptr(), spec.ptr(), Py_False};
+  PyObject* made = PyObject_Vectorcall(construct->ptr(), args, 4, nullptr);
+  if (made == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(made);
 }
 
 at::Tensor unpack(const py::object& tensor) { return THPVariable_Unpack(tensor.ptr()); }

@@ -10,7 +10,6 @@
 #include "fsdp/event_trace.hpp"
 #include "fsdp/fsdp_param.hpp"
 #include "fsdp/fsdp_param_group.hpp"
-#include "fsdp/forward_hooks.hpp"
 #include "fsdp/fsdp_state.hpp"
 #include "fsdp/shard_extent.hpp"
 
@@ -24,6 +23,8 @@ using fsdp::FsdpParamGroup;
 using fsdp::CollectiveGroup;
 using fsdp::ProcessGroupPtr;
 using fsdp::TrainingState;
+
+void bind_forward_hooks(py::module_& m);  // forward_hook_callables.cpp
 
 namespace {
 
@@ -315,17 +316,9 @@ void bind_fsdp_runtime(py::module_& m) {
           py::arg("ready"), py::arg("input_dtype"), py::arg("output_dtype"),
           "Whether the C++ forward hooks may take this state's forwards, and its casts.");
 
-  // The module forward hooks' C++ path (forward_hooks.hpp).
-  py::class_<fsdp::ForwardHooks, std::shared_ptr<fsdp::ForwardHooks>>(
-      m, "FsdpForwardHooks",
-      "Forward pre/post hooks of a one-module state: C++ for the common case, the given "
-      "Python hooks (weakref.WeakMethod) for the rest.")
-      .def(py::init<const std::shared_ptr<fsdp::FsdpState>&, py::object, py::object>(),
-           py::arg("state"), py::arg("python_pre"), py::arg("python_post"))
-      .def("pre", &fsdp::ForwardHooks::pre, py::arg("module"), py::arg("args"),
-           py::arg("kwargs"))
-      .def("post", &fsdp::ForwardHooks::post, py::arg("module"), py::arg("input"),
-           py::arg("output"));
+  // The module forward hooks' C++ path (forward_hooks.hpp), as builtin
+  // functions (forward_hook_callables.cpp).
+  bind_forward_hooks(m);
 
   m.def("_fsdp_set_trace_sink", &fsdp::EventTrace::set_sink, py::arg("record"),
         "Install record(event, module_fqn, training_state) for every group event; None removes.");

@@ -168,11 +168,11 @@ class FSDPState(_State):
         if len(modules) == 1:
             # C++ hooks for the common case, these Python ones for the rest
             # (csrc/fsdp/forward_hooks.hpp). Weak: the module holds the hooks.
-            hooks = _C.FsdpForwardHooks(self._hooks, weakref.WeakMethod(self._pre_forward),
-                                        weakref.WeakMethod(self._post_forward))
+            pre, post = _C._fsdp_forward_hooks(self._hooks, weakref.WeakMethod(self._pre_forward),
+                                               weakref.WeakMethod(self._post_forward))
             self._hook_handles = [
-                modules[0].register_forward_pre_hook(hooks.pre, prepend=True, with_kwargs=True),
-                modules[0].register_forward_hook(hooks.post, prepend=False),
+                modules[0].register_forward_pre_hook(pre, prepend=True, with_kwargs=True),
+                modules[0].register_forward_hook(post, prepend=False),
             ]
         else:
             self._register_grouped_hooks(modules)

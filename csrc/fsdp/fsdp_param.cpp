@@ -35,6 +35,7 @@ const py::object& parameter_class() {
 py::object make_dtensor(const at::Tensor& local, const py::object& spec) {
   static py::object* construct = new py::object(dtensor_class().attr("__new__"));
   py::object wrapped = py::reinterpret_steal<py::object>(THPVariable_Wrap(local));
+  if (!wrapped) throw py::error_already_set();
   PyObject* args[] = {dtensor_class().ptr(), wrapped.ptr(), spec.ptr(), Py_False};
   PyObject* made = PyObject_Vectorcall(construct->ptr(), args, 4, nullptr);
   if (made == nullptr) throw py::error_already_set();

@@ -6,9 +6,15 @@
 // argument loader per parameter, type checks for the tuple and the dict),
 // about as long as the hook's own fast path on a small block. Here each hook
 // is a builtin function taking its positional arguments as an array
-// (METH_FASTCALL), bound to a capsule that owns the ForwardHooks; torch's
-// HANDLE_TH_ERRORS turns C++ errors into the Python exceptions pybind would
-// have raised.
+// (METH_FASTCALL), bound to a capsule that owns the ForwardHooks. Errors go
+// through torch's own translation (HANDLE_TH_ERRORS, as torch's bindings):
+// Python errors raised inside pass through as they are, c10 errors become
+// their Python types (ValueError for TORCH_CHECK_VALUE), and TORCH_WARN
+// becomes a Python warning.
+//
+// The capsule is invisible to Python's cycle collector, which is safe only
+// because ForwardHooks holds its state and its Python hooks weakly (see
+// forward_hooks.hpp); keep it so.
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -24,8 +30,7 @@ namespace {
 constexpr const char* kCapsuleName = "torch_fsdp_ext.FsdpForwardHooks";
 
 fsdp::ForwardHooks& hooks_of(PyObject* capsule) {
-  return **static_cast<std::shared_ptr<fsdp::ForwardHooks>*>(
-      PyCapsule_GetPointer(capsule, kCapsuleName));
+  return *static_cast<fsdp::ForwardHooks*>(PyCapsule_GetPointer(capsule, kCapsuleName));
 }
 
 // nn.Module calls both with three positional arguments:
@@ -60,13 +65,22 @@ PyObject* call_post(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) 
   END_HANDLE_TH_ERRORS
 }
 
-PyMethodDef kPreDef = {"fsdp_ext_forward_pre_hook", reinterpret_cast<PyCFunction>(call_pre),
-                       METH_FASTCALL, "fully_shard's forward pre-hook for one module."};
-PyMethodDef kPostDef = {"fsdp_ext_forward_hook", reinterpret_cast<PyCFunction>(call_post),
-                        METH_FASTCALL, "fully_shard's forward post-hook for one module."};
+// METH_FASTCALL functions have another signature than PyCFunction; CPython
+// casts them back by the flag. Through void(*)() to say the cast is meant.
+template <typename Function>
+PyCFunction as_method(Function function) {
+  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(function));
+}
 
-py::object bound(PyMethodDef* def, const py::object& capsule) {
-  PyObject* function = PyCFunction_NewEx(def, capsule.ptr(), nullptr);
+PyMethodDef kPreDef = {"fsdp_ext_forward_pre_hook", as_method(call_pre), METH_FASTCALL,
+                       "fsdp_ext_forward_pre_hook($self, module, args, kwargs, /)\n--\n\n"
+                       "fully_shard's forward pre-hook for one module."};
+PyMethodDef kPostDef = {"fsdp_ext_forward_hook", as_method(call_post), METH_FASTCALL,
+                        "fsdp_ext_forward_hook($self, module, args, output, /)\n--\n\n"
+                        "fully_shard's forward post-hook for one module."};
+
+py::object bound(PyMethodDef* def, const py::object& capsule, const py::object& module_name) {
+  PyObject* function = PyCFunction_NewEx(def, capsule.ptr(), module_name.ptr());
   if (function == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(function);
 }
@@ -78,18 +92,17 @@ void bind_forward_hooks(py::module_& m) {
       "_fsdp_forward_hooks",
       [](const std::shared_ptr<fsdp::FsdpState>& state, py::object python_pre,
          py::object python_post) {
-        auto* owner = new std::shared_ptr<fsdp::ForwardHooks>(std::make_shared<fsdp::ForwardHooks>(
-            state, std::move(python_pre), std::move(python_post)));
-        PyObject* capsule = PyCapsule_New(owner, kCapsuleName, [](PyObject* self) {
-          delete static_cast<std::shared_ptr<fsdp::ForwardHooks>*>(
-              PyCapsule_GetPointer(self, kCapsuleName));
+        auto owner = std::make_unique<fsdp::ForwardHooks>(state, std::move(python_pre),
+                                                          std::move(python_post));
+        PyObject* capsule = PyCapsule_New(owner.get(), kCapsuleName, [](PyObject* self) {
+          delete static_cast<fsdp::ForwardHooks*>(PyCapsule_GetPointer(self, kCapsuleName));
         });
-        if (capsule == nullptr) {
-          delete owner;
-          throw py::error_already_set();
-        }
+        if (capsule == nullptr) throw py::error_already_set();
+        owner.release();  // the capsule's now
         py::object held = py::reinterpret_steal<py::object>(capsule);
-        return py::make_tuple(bound(&kPreDef, held), bound(&kPostDef, held));
+        py::object module_name = py::str("torch_fsdp_ext._C");
+        return py::make_tuple(bound(&kPreDef, held, module_name),
+                              bound(&kPostDef, held, module_name));
       },
       py::arg("state"), py::arg("python_pre"), py::arg("python_post"),
       "(pre, post): a one-module state's forward hooks, C++ for the common case and the given "

@@ -178,7 +178,7 @@ def count_liveness_connections(rank, world, hostnames):
     # host (namespace) numbers its ports on its own.
     my_addresses, my_port = parse(endpoints[rank])
     other_host = [parse(e) for r, e in enumerate(endpoints) if hostnames[r] != hostnames[rank]]
-    other_addresses = set().union(*(a for a, _ in other_host)) if other_host else set()
+    other_addresses = set().union(*(a for a, _ in other_host))
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -188,9 +188,9 @@ def count_liveness_connections(rank, world, hostnames):
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
 
-    def address_port(field):  # /proc/net/tcp's "0100007F:1F90"
+    def address_port(field):  # /proc/net/tcp's "0100007F:1F90": the address in host byte order
         address, port = field.split(":")
-        return socket.inet_ntoa(int(address, 16).to_bytes(4, "little")), int(port, 16)
+        return socket.inet_ntoa(int(address, 16).to_bytes(4, sys.byteorder)), int(port, 16)
 
     matched = []
     with open("/proc/self/net/tcp") as table:

@@ -16,7 +16,10 @@
 # the device tool); the last lines printed are the summary.
 #
 # Rehearsal without a GPU (the build against another torch, the tests
-# skipping): PY=/path/to/venv/bin/python OUT=/tmp/gpu-rehearsal bash test/gpu/run.sh
+# skipping), on a machine with few cores (the build's 200 s limit is sized
+# for the GPU machine's 16; BUILD_LIMIT_S and BUDGET_S lift it here):
+#   PY=/path/to/venv/bin/python OUT=/tmp/gpu-rehearsal BUILD_LIMIT_S=1200 \
+#     BUDGET_S=1800 bash test/gpu/run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu-out}
@@ -58,12 +61,13 @@ export PATH="$(dirname "$PY"):$PATH"
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDACXX=/usr/local/cuda/bin/nvcc
 fi
-step build 200 env FSDP_EXT_CUDA=ON CUDAARCHS=90 MAX_JOBS="$(nproc)" \
+step build "${BUILD_LIMIT_S:-200}" env FSDP_EXT_CUDA=ON CUDAARCHS=90 MAX_JOBS="$(nproc)" \
   "$PY" setup.py build_ext --inplace || { printf '%s\n' "${summary[@]}"; exit 1; }
 # The in-place build is importable from anywhere (torchrun's scripts, the
 # tests' subprocesses, the benchmark's workers), as the Makefile's .pth does.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c "from torch_fsdp_ext import _build_info as b; print(vars(b))" | tee -a "$OUT/build.log"
+"$PY" -c "from torch_fsdp_ext import _build_info as b; print({k: v for k, v in vars(b).items() if not k.startswith('_')})" \
+  | tee -a "$OUT/build.log"
 step cpu_smoke 30 "$(dirname "$PY")/torchrun" --standalone --nproc-per-node 2 test/smoke_installed.py
 step cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs --junitxml "$OUT/cuda_tests.xml" \
   test/test_cuda.py

@@ -26,8 +26,11 @@ class RecordWriter {
  public:
   template <typename T>
   void put(const T& value) {
-    const auto* bytes = reinterpret_cast<const uint8_t*>(&value);
-    data_.insert(data_.end(), bytes, bytes + sizeof(T));
+    // Grow, then copy: a range insert here draws GCC 12's false
+    // -Wstringop-overflow once a one-byte record came first.
+    const size_t at = data_.size();
+    data_.resize(at + sizeof(T));
+    std::memcpy(data_.data() + at, &value, sizeof(T));
   }
   void put_reason(const std::string& reason) {
     char text[kReasonBytes] = {};

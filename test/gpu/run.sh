@@ -68,7 +68,11 @@ step build "${BUILD_LIMIT_S:-200}" env FSDP_EXT_CUDA=ON CUDAARCHS=90 MAX_JOBS="$
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "from torch_fsdp_ext import _build_info as b; print({k: v for k, v in vars(b).items() if not k.startswith('_')})" \
   | tee -a "$OUT/build.log"
-step cpu_smoke 30 "$(dirname "$PY")/torchrun" --standalone --nproc-per-node 2 test/smoke_installed.py
+# torchrun's agent leaves a torchelastic_* directory in TMPDIR: a private one.
+smoke_tmp=$(mktemp -d "${TMPDIR:-/tmp}/fsdp_ext_smoke_XXXXXX")
+step cpu_smoke 30 env TMPDIR="$smoke_tmp" "$(dirname "$PY")/torchrun" --standalone --nproc-per-node 2 \
+  test/smoke_installed.py
+rm -rf "$smoke_tmp"
 step cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs --junitxml "$OUT/cuda_tests.xml" \
   test/test_cuda.py
 # fully_shard on CUDA meshes against upstream's (issue 35).

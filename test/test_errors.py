@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -238,7 +239,12 @@ def _sysv_segments_created_by(pids):
 
 def _launch_two_ranks(script, tmp_path, init_method, destroy, extra_env=None, bind=False):
     """Runs the two-rank script to completion; (processes, [(returncode,
-    stdout, stderr)] per rank). `bind`: each rank bound to one core."""
+    stdout, stderr)] per rank). `bind`: each rank bound to one core.
+
+    A rank that fails (rank 0 losing its store port to another process, say)
+    leaves its peer retrying the store for minutes: 10 s after the first
+    failure, and in any case after 120 s, the ranks still running are killed
+    (returncode -9), so the caller sees every rank's output and may retry."""
     cores = sorted(os.sched_getaffinity(0))
 
     def bound_to_core(r):
@@ -252,16 +258,26 @@ def _launch_two_ranks(script, tmp_path, init_method, destroy, extra_env=None, bi
     init = {"tcp": f"tcp://127.0.0.1:{port}", "file": f"file://{tmp_path}/store-{port}",
             "env": "env://"}[init_method]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(extra_env or {}))
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(r), "2", init, "1" if destroy else "0"],
-                         env=dict(env, RANK=str(r), WORLD_SIZE="2"), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, preexec_fn=bound_to_core(r))
-        for r in range(2)
-    ]
-    results = []
+    # Output to files, not pipes: the ranks are polled, not drained.
+    logs = [(tmp_path / f"rank{r}-{port}.out", tmp_path / f"rank{r}-{port}.err") for r in range(2)]
+    procs = []
+    for r, (out_path, err_path) in enumerate(logs):
+        with open(out_path, "w") as out, open(err_path, "w") as err:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(script), str(r), "2", init, "1" if destroy else "0"],
+                env=dict(env, RANK=str(r), WORLD_SIZE="2"), stdout=out, stderr=err,
+                preexec_fn=bound_to_core(r)))
+    deadline = time.monotonic() + 120
+    while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+        if any(proc.returncode not in (None, 0) for proc in procs):
+            deadline = min(deadline, time.monotonic() + 10)
+        time.sleep(0.05)
     for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        results.append((proc.returncode, out, err))
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    results = [(proc.returncode, out_path.read_text(), err_path.read_text())
+               for proc, (out_path, err_path) in zip(procs, logs)]
     return procs, results
 
 

@@ -268,8 +268,13 @@ def _launch_two_ranks(script, tmp_path, init_method, destroy, extra_env=None, bi
                 env=dict(env, RANK=str(r), WORLD_SIZE="2"), stdout=out, stderr=err,
                 preexec_fn=bound_to_core(r)))
     deadline = time.monotonic() + 120
-    while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
-        if any(proc.returncode not in (None, 0) for proc in procs):
+    while time.monotonic() < deadline:
+        # Every rank polled each pass (no short-circuit): rank 1 failing
+        # while rank 0 waits must start the 10 s as rank 0 failing does.
+        codes = [proc.poll() for proc in procs]
+        if None not in codes:
+            break
+        if any(code not in (None, 0) for code in codes):
             deadline = min(deadline, time.monotonic() + 10)
         time.sleep(0.05)
     for proc in procs:

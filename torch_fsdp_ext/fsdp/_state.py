@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -42,6 +43,45 @@ def _profiler_range(name: str):
 def get_fsdp_state(module: nn.Module) -> Optional["FSDPState"]:
     state = _get_module_state(module)
     return state if isinstance(state, FSDPState) else None
+
+
+# Note [our hooks run outside dynamo]
+# Upstream FSDP2 runs its hooks with dynamo disabled (its _dynamo_disable on
+# _pre_forward, _post_forward, the end-of-backward callback, ...), so that
+# torch.compile of a model with fully_shard modules never traces FSDP's
+# bookkeeping. Ours need the same, for a reason of their own: dynamo cannot
+# trace our C++ hooks, so it graph-breaks at them and runs them eagerly with
+# its frame callback still set, and every Python frame they call back into
+# (the root's forward hooks: lazy init, the end of the forward) was compiled
+# as a frame of its own -- 40 frames and 10 graph breaks for a 3-block MLP
+# compiled whole, where upstream's compiles 3, and a dynamo failure that
+# failed a rank's first compiled step in CI (an IndexError while guarding
+# id(state) in _lazy_init). So every Python hook entry point is a
+# dynamo-disabled function: the C++ hooks and autograd reach the Python ones
+# through WeakMethods bound to disabled functions (_weak_hook), the hooks of a
+# state of several modules are registered disabled. Dynamo is imported at the
+# first fully_shard, not with the package: the import takes about a second.
+def _outside_dynamo(function: Callable) -> Callable:
+    """`function` with dynamo disabled for it and all it calls (Note [our
+    hooks run outside dynamo])."""
+    import torch._dynamo
+
+    return torch._dynamo.disable(function, recursive=True)
+
+
+# FSDPState's hook methods, disabled once: a WeakMethod holds its function
+# weakly, so something must hold the disabled ones.
+_DISABLED_METHODS: dict[Callable, Callable] = {}
+
+
+def _weak_hook(state: "FSDPState", method: Callable) -> weakref.WeakMethod:
+    """What C++ calls back into: `method` of FSDPState bound to `state`, run
+    outside dynamo, weakly (the module holds its hooks, and a strong reference
+    from C++ to the state would close a cycle Python's collector cannot see)."""
+    disabled = _DISABLED_METHODS.get(method)
+    if disabled is None:
+        disabled = _DISABLED_METHODS[method] = _outside_dynamo(method)
+    return weakref.WeakMethod(types.MethodType(disabled, state))
 
 
 def _inside_backward() -> bool:
@@ -168,8 +208,9 @@ class FSDPState(_State):
         if len(modules) == 1:
             # C++ hooks for the common case, these Python ones for the rest
             # (csrc/fsdp/forward_hooks.hpp). Weak: the module holds the hooks.
-            pre, post = _C._fsdp_forward_hooks(self._hooks, weakref.WeakMethod(self._pre_forward),
-                                               weakref.WeakMethod(self._post_forward))
+            pre, post = _C._fsdp_forward_hooks(self._hooks,
+                                               _weak_hook(self, FSDPState._pre_forward),
+                                               _weak_hook(self, FSDPState._post_forward))
             self._hook_handles = [
                 modules[0].register_forward_pre_hook(pre, prepend=True, with_kwargs=True),
                 modules[0].register_forward_hook(post, prepend=False),
@@ -193,6 +234,7 @@ class FSDPState(_State):
                 return _cast_floating(output, self._output_dtype)
             return self._post_forward(module, args, output)
 
+        pre_hook, post_hook = _outside_dynamo(pre_hook), _outside_dynamo(post_hook)
         for module in modules:
             self._hook_handles.append(
                 module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True))
@@ -230,7 +272,8 @@ class FSDPState(_State):
         self._init_fqns(root)
         self._validate_no_duplicate_params()
         # Weak: the C++ context must not keep this state (and its model) alive.
-        ctx.hooks.set_final_callback(weakref.WeakMethod(self._root_post_backward_final_callback))
+        ctx.hooks.set_final_callback(
+            _weak_hook(self, FSDPState._root_post_backward_final_callback))
         ctx.hooks.set_states([state._hooks for state in ctx.all_states])
         ctx.grouped_states = [state for state in ctx.all_states if len(state._modules) > 1]
         for state in ctx.all_states:

@@ -12,6 +12,7 @@ per-module and per-parameter step is C++."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import types
 import weakref
@@ -53,10 +54,10 @@ def get_fsdp_state(module: nn.Module) -> Optional["FSDPState"]:
 # trace our C++ hooks, so it graph-breaks at them and runs them eagerly with
 # its frame callback still set, and every Python frame they call back into
 # (the root's forward hooks: lazy init, the end of the forward) was compiled
-# as a frame of its own -- 40 frames and 10 graph breaks for a 3-block MLP
-# compiled whole, where upstream's compiles 3, and a dynamo failure that
-# failed a rank's first compiled step in CI (an IndexError while guarding
-# id(state) in _lazy_init). So every Python hook entry point is a
+# as a frame of its own -- 43 frames and 10 graph breaks for a 3-block MLP
+# compiled whole, where upstream's compiles 3 and breaks none -- and dynamo
+# once failed a rank's first compiled step in CI (an IndexError while
+# guarding id(state) in _lazy_init). So every Python hook entry point is a
 # dynamo-disabled function: the C++ hooks and autograd reach the Python ones
 # through WeakMethods bound to disabled functions (_weak_hook), the hooks of a
 # state of several modules are registered disabled. Dynamo is imported at the
@@ -69,19 +70,18 @@ def _outside_dynamo(function: Callable) -> Callable:
     return torch._dynamo.disable(function, recursive=True)
 
 
-# FSDPState's hook methods, disabled once: a WeakMethod holds its function
-# weakly, so something must hold the disabled ones.
-_DISABLED_METHODS: dict[Callable, Callable] = {}
+@functools.cache
+def _disabled_method(method: Callable) -> Callable:
+    """One of FSDPState's hook methods, disabled once and kept here: a
+    WeakMethod holds its function weakly, so something must hold these."""
+    return _outside_dynamo(method)
 
 
 def _weak_hook(state: "FSDPState", method: Callable) -> weakref.WeakMethod:
     """What C++ calls back into: `method` of FSDPState bound to `state`, run
     outside dynamo, weakly (the module holds its hooks, and a strong reference
     from C++ to the state would close a cycle Python's collector cannot see)."""
-    disabled = _DISABLED_METHODS.get(method)
-    if disabled is None:
-        disabled = _DISABLED_METHODS[method] = _outside_dynamo(method)
-    return weakref.WeakMethod(types.MethodType(disabled, state))
+    return weakref.WeakMethod(types.MethodType(_disabled_method(method), state))
 
 
 def _inside_backward() -> bool:

@@ -19,6 +19,7 @@ def _create_backend(dist_backend_opts, backend_options):
         dist_backend_opts.timeout,  # a timedelta
         str(dist_backend_opts.group_id),
         _nccl_factory(dist_backend_opts),
+        list(dist_backend_opts.global_ranks_in_group),
     )
 
 

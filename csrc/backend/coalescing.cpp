@@ -50,15 +50,19 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::endCoalescing() {
   }
   const bool any_collective = std::any_of(members.begin(), members.end(),
                                           [](const CoalescedOp& m) { return m.collective; });
-  auto work = c10::make_intrusive<FsdpExtWork>(rank_, c10d::OpType::COALESCED,
-                                               "fsdp_ext:coalesced", tensors,
-                                               wait_spin_for_tensors(tensors));
+  // The batch's own Work takes no sequence number: its members did.
+  auto work = make_work(c10d::OpType::COALESCED, "fsdp_ext:coalesced", /*collective=*/false,
+                        tensors, tensors, wait_spin_for_tensors(tensors));
   auto shared_members = std::make_shared<std::vector<CoalescedOp>>(std::move(members));
   comm::EngineOp op;
   op.name = "coalesced";
   op.collective = any_collective;
   op.timeout = timeout;
   op.body = coalesced_body(shared_members);
+  op.on_start = [shared_members, work] {
+    for (CoalescedOp& member : *shared_members) member.work->mark_started();
+    work->mark_started();
+  };
   op.keepalive = std::make_shared<std::vector<at::Tensor>>(std::move(tensors));
   op.on_done = [shared_members, work](const comm::OpOutcome& outcome) {
     for (CoalescedOp& member : *shared_members) member.work->complete(outcome);
@@ -115,10 +119,10 @@ FsdpExtBackend::Body FsdpExtBackend::coalesced_body(
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::enqueue_bucket(
     const OpLabel& label, c10d::OpType type, const char* profiling_title,
     std::chrono::milliseconds timeout, std::vector<at::Tensor> outputs,
-    std::vector<at::Tensor> keep_alive, BucketMembers bucket) {
+    std::vector<at::Tensor> inputs, BucketMembers bucket) {
   auto members = std::make_shared<const BucketMembers>(std::move(bucket));
   return enqueue(label, type, profiling_title, true, timeout, std::move(outputs),
-                 std::move(keep_alive), bucket_body(members), members);
+                 std::move(inputs), bucket_body(members), members);
 }
 
 }  // namespace fsdp_ext::backend

@@ -121,13 +121,36 @@ std::chrono::microseconds FsdpExtBackend::wait_spin_for_tensors(
   return wait_spin_for(bytes, /*crosses_hosts=*/true);
 }
 
+c10::intrusive_ptr<FsdpExtWork> FsdpExtBackend::make_work(
+    c10d::OpType type, const char* profiling_title, bool collective,
+    const std::vector<at::Tensor>& inputs, std::vector<at::Tensor> outputs,
+    std::chrono::microseconds wait_spin) {
+  const bool counted = collective && profiling_title != nullptr;
+  const uint64_t seq = counted ? collective_seq_.fetch_add(1) + 1 : 0;
+  return c10::make_intrusive<FsdpExtWork>(rank_, type, profiling_title, inputs,
+                                          std::move(outputs), wait_spin, seq,
+                                          timing_enabled_.load());
+}
+
+std::vector<at::Tensor> FsdpExtBackend::tensors_of_op(const std::vector<at::Tensor>& inputs,
+                                                      const std::vector<at::Tensor>& outputs) {
+  std::vector<at::Tensor> all = inputs;
+  for (const at::Tensor& output : outputs) {
+    const bool listed = std::any_of(inputs.begin(), inputs.end(), [&](const at::Tensor& input) {
+      return input.unsafeGetTensorImpl() == output.unsafeGetTensorImpl();
+    });
+    if (!listed) all.push_back(output);
+  }
+  return all;
+}
+
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::enqueue(
     const OpLabel& label, c10d::OpType type, const char* profiling_title, bool collective,
     std::chrono::milliseconds timeout, std::vector<at::Tensor> outputs,
-    std::vector<at::Tensor> keep_alive, Body body, std::shared_ptr<const BucketMembers> bucket) {
-  keep_alive.insert(keep_alive.end(), outputs.begin(), outputs.end());
-  auto work = c10::make_intrusive<FsdpExtWork>(rank_, type, profiling_title, outputs,
-                                               wait_spin_for_tensors(keep_alive));
+    std::vector<at::Tensor> inputs, Body body, std::shared_ptr<const BucketMembers> bucket) {
+  std::vector<at::Tensor> keep_alive = tensors_of_op(inputs, outputs);
+  auto work = make_work(type, profiling_title, collective, inputs, std::move(outputs),
+                        wait_spin_for_tensors(keep_alive));
   {
     std::lock_guard<std::mutex> lock(coalescing_mutex_);
     if (coalescing_on_this_thread()) {
@@ -144,6 +167,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::enqueue(
   op.timeout = timeout;
   op.body = std::move(body);
   op.keepalive = std::make_shared<std::vector<at::Tensor>>(std::move(keep_alive));
+  op.on_start = [work] { work->mark_started(); };
   op.on_done = [work](const comm::OpOutcome& outcome) { work->complete(outcome); };
   engine_->submit(std::move(op));
   return work;
@@ -177,7 +201,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::broadcast(std::vector<at::Tensor>
   if (use_small_ops(tensor.nbytes(), "FSDP_EXT_BROADCAST_ALGO")) {
     return run_small(
         l, c10d::OpType::BROADCAST, "fsdp_ext:broadcast", resolve_timeout(opts.timeout),
-        {tensor}, {},
+        {tensor}, {tensor},
         [tensor, root](comm::SmallOpChannel& channel, uint64_t seq) {
           comm::start_small_broadcast(channel, seq, const_span_of(tensor), root);
         },
@@ -186,7 +210,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::broadcast(std::vector<at::Tensor>
         });
   }
   return enqueue(l, c10d::OpType::BROADCAST, "fsdp_ext:broadcast", true,
-                 resolve_timeout(opts.timeout), {tensor}, {},
+                 resolve_timeout(opts.timeout), {tensor}, {tensor},
                  [tensor, root](comm::OpContext& context) {
                    comm::broadcast(context, span_of(tensor), root);
                  });
@@ -194,6 +218,9 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::broadcast(std::vector<at::Tensor>
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                          const c10d::AllreduceOptions& opts) {
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() == at::kSparse) {
+    return allreduce_sparse(tensors, opts);
+  }
   const OpLabel l = label("all_reduce");
   check_count(l, tensors.size(), 1, "tensor");
   check_tensor(l, tensors[0], "tensor");
@@ -217,7 +244,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allreduce(std::vector<at::Tensor>
   if (use_small_ops(tensor.nbytes(), "FSDP_EXT_ALLREDUCE_ALGO")) {
     return run_small(
         l, c10d::OpType::ALLREDUCE, "fsdp_ext:all_reduce", resolve_timeout(opts.timeout),
-        {tensor}, {},
+        {tensor}, {tensor},
         [tensor, spec](comm::SmallOpChannel& channel, uint64_t seq) {
           comm::start_small_allreduce(channel, seq, const_span_of(tensor), spec);
         },
@@ -228,7 +255,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allreduce(std::vector<at::Tensor>
   BucketMembers bucket;
   bucket.allreduce.push_back({span_of(tensor), spec});
   return enqueue_bucket(l, c10d::OpType::ALLREDUCE, "fsdp_ext:all_reduce",
-                        resolve_timeout(opts.timeout), {tensor}, {}, std::move(bucket));
+                        resolve_timeout(opts.timeout), {tensor}, {tensor}, std::move(bucket));
 }
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allreduce_coalesced(
@@ -261,7 +288,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allreduce_coalesced(
     return run_on_cuda(*cuda, l, std::move(op));
   }
   return enqueue_bucket(l, c10d::OpType::ALLREDUCE_COALESCED, "fsdp_ext:all_reduce_coalesced",
-                        resolve_timeout(opts.timeout), tensors, {}, std::move(bucket));
+                        resolve_timeout(opts.timeout), tensors, tensors, std::move(bucket));
 }
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::reduce(std::vector<at::Tensor>& tensors,
@@ -287,7 +314,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::reduce(std::vector<at::Tensor>& t
     return run_on_cuda(*cuda, l, std::move(op));
   }
   return enqueue(l, c10d::OpType::REDUCE, "fsdp_ext:reduce", true,
-                 resolve_timeout(opts.timeout), {tensor}, {},
+                 resolve_timeout(opts.timeout), {tensor}, {tensor},
                  [tensor, spec, root](comm::OpContext& context) {
                    comm::reduce(context, span_of(tensor), root, spec);
                  });
@@ -439,6 +466,43 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allgather_into_tensor_coalesced(
   }
   return enqueue_bucket(l, c10d::OpType::COALESCED, "fsdp_ext:all_gather_into_tensor_coalesced",
                         resolve_timeout(opts.timeout), outputs, inputs, std::move(bucket));
+}
+
+c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  const OpLabel l = label("all_gather_coalesced");
+  TORCH_CHECK_VALUE(!inputs.empty(), l.prefix(), "needs at least one input tensor");
+  check_count(l, outputs.size(), static_cast<size_t>(size_), "output tensor lists (one per rank)");
+  check_tensors(l, inputs, "input");
+  BucketMembers bucket;
+  bucket.allgather.resize(inputs.size());
+  std::vector<at::Tensor> flat_outputs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    TORCH_CHECK_NOT_IMPLEMENTED(inputs[i].device().is_cpu(), l.prefix(),
+                                "CPU tensors only (as gloo's); input ", i, " is on ",
+                                inputs[i].device());
+    bucket.allgather[i].input = const_span_of(inputs[i]);
+  }
+  for (int r = 0; r < size_; ++r) {
+    const std::string list = "output list " + std::to_string(r);
+    check_count(l, outputs[r].size(), inputs.size(), (list + "'s tensors (one per input)").c_str());
+    check_tensors(l, outputs[r], "output");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const at::Tensor& output = outputs[r][i];
+      TORCH_CHECK_NOT_IMPLEMENTED(output.device().is_cpu(), l.prefix(),
+                                  "CPU tensors only (as gloo's); an output is on ",
+                                  output.device());
+      check_same_dtype(l, output, "an output", inputs[i], "its input");
+      check_numel(l, output.numel(), inputs[i].numel(),
+                  list + ", tensor " + std::to_string(i) + " must match input " +
+                      std::to_string(i));
+      bucket.allgather[i].outputs.push_back(span_of(output));
+      flat_outputs.push_back(output);
+    }
+  }
+  return enqueue_bucket(l, c10d::OpType::ALLGATHER_COALESCED, "fsdp_ext:all_gather_coalesced",
+                        resolve_timeout(opts.timeout), flat_outputs, inputs, std::move(bucket));
 }
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::gather(
@@ -764,7 +828,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::send(std::vector<at::Tensor>& ten
     };
     return run_on_cuda(*cuda, l, std::move(op));
   }
-  return enqueue(l, c10d::OpType::SEND, "fsdp_ext:send", false, default_timeout_, {tensor}, {},
+  return enqueue(l, c10d::OpType::SEND, "fsdp_ext:send", false, default_timeout_, {tensor}, {tensor},
                  [tensor, dst_rank, tag](comm::OpContext& context) {
                    context.detach(context.send_user(dst_rank, tag, tensor.data_ptr(),
                                                     tensor.nbytes()));
@@ -791,7 +855,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::recv(std::vector<at::Tensor>& ten
     };
     return run_on_cuda(*cuda, l, std::move(op));
   }
-  return enqueue(l, c10d::OpType::RECV, "fsdp_ext:recv", false, default_timeout_, {tensor}, {},
+  return enqueue(l, c10d::OpType::RECV, "fsdp_ext:recv", false, default_timeout_, {tensor}, {tensor},
                  [tensor, src_rank, tag](comm::OpContext& context) {
                    context.detach(context.recv_user(src_rank, tag, tensor.data_ptr(),
                                                     tensor.nbytes()));
@@ -818,7 +882,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::recvAnysource(std::vector<at::Ten
     return run_on_cuda(*cuda, l, std::move(op));
   }
   return enqueue(l, c10d::OpType::RECVANYSOURCE, "fsdp_ext:recv_any_source", false,
-                 default_timeout_, {tensor}, {}, [tensor, tag](comm::OpContext& context) {
+                 default_timeout_, {tensor}, {tensor}, [tensor, tag](comm::OpContext& context) {
                    context.detach(context.recv_user(-1, tag, tensor.data_ptr(), tensor.nbytes()));
                  });
 }

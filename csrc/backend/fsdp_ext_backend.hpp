@@ -42,6 +42,32 @@ class FsdpExtBackend : public c10d::Backend {
 
   const std::string getBackendName() const override { return "fsdp_ext"; }
   bool supportsCoalescing() const override { return true; }
+  bool supportsSplitting() const override { return true; }
+
+  // What torch asks of a backend besides its ops (backend_surface.cpp).
+  // The options the group was made with (timeout, name, global ranks):
+  // ProcessGroup.split_group copies them for the new group.
+  c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override;
+  // The ranks of this group among the default group's (from torch's
+  // factory options; empty when made without them).
+  void set_global_ranks(std::vector<uint64_t> global_ranks);
+  // A new group over `ranks` (this group's ranks, this one among them) whose
+  // members find each other through `store`; nullptr for a rank not in it.
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override;
+  c10::intrusive_ptr<c10d::Backend> merge(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const c10::intrusive_ptr<Options>& opts,
+                                          const int& rank, const int& size) override;
+  // The group's collective sequence number: how many collectives this rank
+  // has issued on it, the same on every rank while they agree (what
+  // TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper compares). Counting starts at 0
+  // when the group is made, so setting it needs no exchange (as gloo's).
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return collective_seq_.load(); }
+  // From now on every op's Work records when it started and ended
+  // (Work.get_duration()).
+  void enableCollectivesTiming() override { timing_enabled_.store(true); }
 
   // Allocation from the group (FSDP2's set_allocate_memory_from_process_group
   // _for_comm): CPU tensors in shared memory that peers read in place. Only
@@ -73,6 +99,10 @@ class FsdpExtBackend : public c10d::Backend {
                                            const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
+  // COO sparse tensors, summed as gloo sums them (allreduce hands sparse
+  // tensors here): the bitwise result DDP with sparse gradients gets on gloo.
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
@@ -82,6 +112,10 @@ class FsdpExtBackend : public c10d::Backend {
                                            const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override;
+  // outputs[r][i] receives rank r's inputs[i]: one bucket of all-gathers.
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override;
@@ -113,6 +147,11 @@ class FsdpExtBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
                                                int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // gloo's monitored barrier (monitored_barrier.cpp): rank 0 names the ranks
+  // that did not arrive within the timeout. torch's dist.monitored_barrier
+  // refuses every backend not named gloo; torch_fsdp_ext.monitored_barrier
+  // and ProcessGroup.monitored_barrier reach this.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
 
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
@@ -149,6 +188,14 @@ class FsdpExtBackend : public c10d::Backend {
   static Body bucket_body(std::shared_ptr<const BucketMembers> members);
 
   OpLabel label(const char* op) const;
+  // The Work of an op about to be queued or run: its profiler record over
+  // `inputs`, its collective sequence number (taken here: `collective` ops
+  // with a profiling title, those a user issued), timing when enabled.
+  c10::intrusive_ptr<FsdpExtWork> make_work(c10d::OpType type, const char* profiling_title,
+                                            bool collective,
+                                            const std::vector<at::Tensor>& inputs,
+                                            std::vector<at::Tensor> outputs,
+                                            std::chrono::microseconds wait_spin);
   // The group's CUDA path when `tensors` are CUDA tensors (made at the
   // group's first CUDA collective), nullptr when they are CPU tensors;
   // refuses a mix of devices, naming both. A point-to-point op cannot make
@@ -168,19 +215,26 @@ class FsdpExtBackend : public c10d::Backend {
   // How long wait() on an op over these tensors polls (Note [how long a wait
   // polls]): by their bytes, and whether this group spans hosts.
   std::chrono::microseconds wait_spin_for_tensors(const std::vector<at::Tensor>& tensors) const;
-  // Queues one op (or adds it to the open coalescing batch) and returns its Work.
+  // Queues one op (or adds it to the open coalescing batch) and returns its
+  // Work. `inputs`: the tensors the op reads (an in-place op lists its
+  // tensors as both), kept alive until it ends and shown in its profiler
+  // record, as gloo's.
   c10::intrusive_ptr<c10d::Work> enqueue(const OpLabel& label, c10d::OpType type,
                                          const char* profiling_title, bool collective,
                                          std::chrono::milliseconds timeout,
                                          std::vector<at::Tensor> outputs,
-                                         std::vector<at::Tensor> keep_alive, Body body,
+                                         std::vector<at::Tensor> inputs, Body body,
                                          std::shared_ptr<const BucketMembers> bucket = nullptr);
+  // Every tensor an op touches, each once (an in-place op lists its tensors
+  // as inputs and outputs): what it keeps alive until it ends.
+  static std::vector<at::Tensor> tensors_of_op(const std::vector<at::Tensor>& inputs,
+                                               const std::vector<at::Tensor>& outputs);
   // enqueue() for ops that are buckets (all-gather, reduce-scatter, all-reduce).
   c10::intrusive_ptr<c10d::Work> enqueue_bucket(const OpLabel& label, c10d::OpType type,
                                                 const char* profiling_title,
                                                 std::chrono::milliseconds timeout,
                                                 std::vector<at::Tensor> outputs,
-                                                std::vector<at::Tensor> keep_alive,
+                                                std::vector<at::Tensor> inputs,
                                                 BucketMembers bucket);
 
   // A small collective (at most SmallOpChannel::kMaxBytes per rank, group on
@@ -199,11 +253,18 @@ class FsdpExtBackend : public c10d::Backend {
                                            const char* profiling_title,
                                            std::chrono::milliseconds timeout,
                                            std::vector<at::Tensor> outputs,
-                                           std::vector<at::Tensor> keep_alive, SmallStart start,
+                                           std::vector<at::Tensor> inputs, SmallStart start,
                                            SmallFinish finish);
 
   std::chrono::milliseconds default_timeout_;
   std::string group_name_;
+  std::vector<uint64_t> global_ranks_;
+  // The group's store (already private to the group): monitored barriers.
+  c10::intrusive_ptr<c10d::Store> store_;
+  uint64_t monitored_barriers_ = 0;
+  // See getSequenceNumberForGroup and enableCollectivesTiming.
+  std::atomic<uint64_t> collective_seq_{0};
+  std::atomic<bool> timing_enabled_{false};
   std::shared_ptr<comm::SharedBufferPool> pool_;
   std::shared_ptr<comm::SharedMemoryDomain> shared_memory_;
   // Null when this rank offered no channel; used only when enabled (every

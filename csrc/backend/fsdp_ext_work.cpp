@@ -1,5 +1,6 @@
 #include "backend/fsdp_ext_work.hpp"
 
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <sched.h>
 
@@ -26,9 +27,23 @@ std::exception_ptr make_backend_error(const std::string& message) {
   }
 }
 
+namespace {
+// The inputs c10d::Work hands to the profiler's record: only while some
+// profiler listens (hasCallbacks), so that an op without one copies no
+// tensor list.
+std::optional<std::vector<at::Tensor>> profiled_inputs(const char* profiling_title,
+                                                       const std::vector<at::Tensor>& inputs) {
+  if (profiling_title == nullptr || !at::hasCallbacks()) return std::nullopt;
+  return inputs;
+}
+}  // namespace
+
 FsdpExtWork::FsdpExtWork(int rank, c10d::OpType type, const char* profiling_title,
-                         std::vector<at::Tensor> outputs, std::chrono::microseconds wait_spin)
-    : c10d::Work(rank, type, profiling_title),
+                         const std::vector<at::Tensor>& inputs, std::vector<at::Tensor> outputs,
+                         std::chrono::microseconds wait_spin, uint64_t seq, bool timed)
+    : c10d::Work(rank, type, profiling_title, profiled_inputs(profiling_title, inputs)),
+      seq_(seq),
+      timed_(timed),
       outputs_(std::move(outputs)),
       wait_spin_(wait_spin),
       future_(c10::make_intrusive<c10::ivalue::Future>(
@@ -54,7 +69,30 @@ int FsdpExtWork::sourceRank() const {
   return source;
 }
 
+void FsdpExtWork::mark_started() {
+  // Called on the thread that begins the op, before complete() can run; a
+  // second call (the rest of an op handed to the engine) changes nothing.
+  if (!timed_ || started_marked_.exchange(true)) return;
+  started_ = Clock::now();
+}
+
+float FsdpExtWork::getDuration() const {
+  TORCH_CHECK(timed_,
+              "fsdp_ext: Work.get_duration() needs collectives timing, which is off for this "
+              "group: call enableCollectivesTiming() on its backend before the op");
+  // completed_ is set by finish() under mutex_, after ended_ was written.
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(completed_,
+              "fsdp_ext: Work.get_duration() is only known once the op has finished; wait() first");
+  return std::chrono::duration<float, std::milli>(ended_ - started_).count();
+}
+
 void FsdpExtWork::complete(const comm::OpOutcome& outcome) {
+  if (timed_) {
+    // An op failed before it began counts from its end.
+    ended_ = Clock::now();
+    if (!started_marked_.exchange(true)) started_ = ended_;
+  }
   source_rank_.store(outcome.source_rank);
   // finish() before the future: a future callback may call wait() on this
   // Work from this very thread.

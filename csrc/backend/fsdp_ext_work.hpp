@@ -1,6 +1,11 @@
 // The Work returned by every fsdp_ext op. It is completed on the progress
 // thread; wait() rethrows the op's error as DistBackendError, and the future
 // completes with the op's output tensors (what DDP's comm hooks read).
+//
+// What it reports besides completion, as gloo's Work does: a profiler record
+// with the op's input tensors (so a torch.profiler trace shows each op's
+// shapes and dtypes), the group's collective sequence number, and, when the
+// group's collectives timing is on, how long the op ran (getDuration).
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -16,18 +21,38 @@ class FsdpExtWork : public c10d::Work {
  public:
   // `wait_spin`: how long wait() polls before it sleeps on the Work's
   // condition variable (see wait_spin_for).
+  // `inputs`: the tensors the op reads, for the profiler's record (taken
+  // only while a profiler listens). `seq`: the group's collective sequence
+  // number of the op (0 for point-to-point ops). `timed`: record when the op
+  // starts and ends (Backend::enableCollectivesTiming).
   FsdpExtWork(int rank, c10d::OpType type, const char* profiling_title,
-              std::vector<at::Tensor> outputs, std::chrono::microseconds wait_spin);
+              const std::vector<at::Tensor>& inputs, std::vector<at::Tensor> outputs,
+              std::chrono::microseconds wait_spin, uint64_t seq, bool timed);
 
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::vector<at::Tensor> result() override;
   int sourceRank() const override;
+  uint64_t getSequencenumber() const override { return seq_; }
+  // Milliseconds from the op's start to its end; only for a finished op of
+  // a group whose collectives timing is on.
+  float getDuration() const override;
 
+  // When the op began to run (its first call counts; a no-op unless timed).
+  void mark_started();
   // Called exactly once, on the progress thread.
   void complete(const comm::OpOutcome& outcome);
 
  private:
+  using Clock = std::chrono::steady_clock;
+  const uint64_t seq_;
+  const bool timed_;
+  // Written on the completing thread before finish(), read under mutex_
+  // once completed_ is set.
+  Clock::time_point started_{};
+  Clock::time_point ended_{};
+  std::atomic<bool> started_marked_{false};
+
   std::vector<at::Tensor> outputs_;
   std::chrono::microseconds wait_spin_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;

@@ -185,6 +185,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     : c10d::Backend(rank, size),
       default_timeout_(timeout),
       group_name_(std::move(group_name)),
+      store_(store),
       nccl_factory_(std::move(nccl_factory)) {
   const OpLabel init_label = label("init");
   TORCH_CHECK_VALUE(size >= 1 && size < comm::tag::kMaxRanks, init_label.prefix(),

@@ -46,13 +46,14 @@ bool FsdpExtBackend::use_small_ops(size_t bytes, const char* algorithm_variable)
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::run_small(
     const OpLabel& label, c10d::OpType type, const char* profiling_title,
     std::chrono::milliseconds timeout, std::vector<at::Tensor> outputs,
-    std::vector<at::Tensor> keep_alive, SmallStart start, SmallFinish finish) {
+    std::vector<at::Tensor> inputs, SmallStart start, SmallFinish finish) {
   // The engine's bodies share the channel; the caller's own path uses it
   // directly.
   comm::SmallOpChannel& channel = *small_ops_;
   // Small ops stay within a host: the usual poll (Note [how long a wait polls]).
-  auto work = c10::make_intrusive<FsdpExtWork>(rank_, type, profiling_title, outputs,
-                                               wait_spin_for(0, /*crosses_hosts=*/false));
+  auto work = make_work(type, profiling_title, /*collective=*/true, inputs, outputs,
+                        wait_spin_for(0, /*crosses_hosts=*/false));
+  std::vector<at::Tensor> keep_alive = tensors_of_op(inputs, outputs);
   // What the engine runs: the whole op when it is busy, or the rest of it.
   auto engine_op = [&](std::function<void(comm::OpContext&)> body) {
     comm::EngineOp op;
@@ -60,9 +61,9 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::run_small(
     op.collective = true;
     op.small_op = true;
     op.timeout = timeout;
-    keep_alive.insert(keep_alive.end(), outputs.begin(), outputs.end());
     op.keepalive = std::make_shared<std::vector<at::Tensor>>(std::move(keep_alive));
     op.body = std::move(body);
+    op.on_start = [work] { work->mark_started(); };
     op.on_done = [work](const comm::OpOutcome& outcome) { work->complete(outcome); };
     return op;
   };
@@ -77,6 +78,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::run_small(
     return work;
   }
   try {
+    work->mark_started();
     start(channel, turn.seq());
     const auto spin = engine_->config().spin;
     if (channel.poll_until(std::chrono::steady_clock::now() + spin)) {

@@ -366,6 +366,7 @@ void ProgressEngine::run_op(EngineOp& op) {
     config_.small_ops->announce_engine_collective(seq);
   }
   try {
+    if (op.on_start) op.on_start();
     op.body(context);
   } catch (const CommError& error) {
     failure.kind = error.kind();

@@ -55,6 +55,9 @@ struct EngineOp {
   bool collective = true;     // collectives consume a sequence number
   std::chrono::milliseconds timeout{0};
   std::function<void(OpContext&)> body;
+  // Runs on the progress thread just before the body (not for an op failed
+  // before it began): when the op's timing and records start.
+  std::function<void()> on_start;
   // Runs on the progress thread exactly once, after the op finished.
   std::function<void(const OpOutcome&)> on_done;
   // Keeps the op's buffers alive until the transport is done with them.

@@ -34,17 +34,24 @@ PYBIND11_MODULE(_C, m) {
       m, "FsdpExtBackend")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        std::chrono::milliseconds timeout, const std::string& group_name,
-                       std::optional<fsdp_ext::backend::NcclFactory> nccl_factory) {
-             return c10::make_intrusive<FsdpExtBackend>(store, rank, size, timeout, group_name,
-                                                        nccl_factory.value_or(nullptr));
+                       std::optional<fsdp_ext::backend::NcclFactory> nccl_factory,
+                       std::vector<uint64_t> global_ranks) {
+             auto backend = c10::make_intrusive<FsdpExtBackend>(
+                 store, rank, size, timeout, group_name, nccl_factory.value_or(nullptr));
+             backend->set_global_ranks(std::move(global_ranks));
+             return backend;
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("group_name"), py::arg("nccl_factory") = py::none(),
+           py::arg("global_ranks") = std::vector<uint64_t>{},
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly(
           "cuda_route", &FsdpExtBackend::cuda_route_description,
           "How this group's ops on CUDA tensors run ('' before its first one): nccl, ipc\n"
           "or staged through host memory, with why (backend/cuda/cuda_path.hpp).")
+      .def_property_readonly(
+          "options", &FsdpExtBackend::getBackendOptions,
+          "The group's Backend.Options (timeout, group name, global ranks), as gloo's.")
       .def_property_readonly("shared_memory_enabled", &FsdpExtBackend::shared_memory_enabled,
                              "Whether this group's ranks share memory (one host; decided at init).")
       .def(

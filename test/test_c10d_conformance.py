@@ -371,4 +371,67 @@ def test_monitored_barrier_names_missing_ranks(pool):
             assert error is None
             continue
         assert error is not None and "fsdp_ext monitored_barrier" in error, error
-        assert "rank 1 did not reach the barrier within 2000 ms" in error, error
+        assert "Rank 1 failed to pass monitoredBarrier in 2000 ms" in error, error
+
+
+# -------------------------------------------------------------- Flight Recorder
+
+
+def check_flight_recorder(ctx):
+    """A few ops, then rank 0 enters an all-reduce that rank 1 never calls:
+    rank 0's times out and writes its dump; rank 1 writes its own on request."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=3))
+    t = torch.ones(4)
+    dist.all_reduce(t, group=group)
+    dist.all_gather_into_tensor(torch.empty(4 * ctx.world_size), t, group=group)
+    if ctx.rank == 0:
+        dist.send(t, 1, group=group)
+    else:
+        dist.recv(t, 0, group=group)
+    recorded = torch_fsdp_ext.dump_flight_recorder(write=False)
+    error = path = None
+    if ctx.rank == 0:
+        try:
+            dist.all_reduce(torch.ones(8), group=group)
+        except RuntimeError as caught:
+            error = str(caught)
+    else:
+        # Before any later op, so that both dumps end at the same point.
+        path = torch_fsdp_ext.dump_flight_recorder()
+    dist.barrier()
+    entries = [(e["profiling_name"], e["collective_seq_id"], e["state"], e["input_sizes"])
+               for e in recorded["entries"]]
+    return entries, recorded["version"], list(recorded["pg_config"].values()), error, path
+
+
+def test_flight_recorder_dumps_are_read_by_torchs_fr_trace(tmp_path):
+    import subprocess
+    import sys
+
+    prefix = str(tmp_path / "fsdp_ext_trace_")
+    pool = get_pool(2, TORCH_FR_BUFFER_SIZE="100", TORCH_FR_DUMP_TEMP_FILE=prefix)
+    results = pool.run(check_flight_recorder)
+    for rank, (entries, version, pg_config, error, path) in enumerate(results):
+        assert version == "2.10"
+        names = [name for name, *_ in entries]
+        assert names[-3:] == ["gloo:all_reduce", "gloo:_all_gather_base",
+                              "gloo:send 0->1" if rank == 0 else "gloo:recv 1<-0"], names
+        assert all(state == "completed" for *_, state, _ in entries[-3:])
+        assert entries[-3][3] == [[4]]
+        assert {"name", "desc", "ranks"} <= set(pg_config[0])
+        if rank == 0:
+            assert error is not None and "timed out" in error.lower(), error
+        else:
+            assert path == prefix + "1"
+    pool.kill()
+    analysis = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(tmp_path),
+         "--prefix", "fsdp_ext_trace_"],
+        capture_output=True, text=True, timeout=120)
+    report = analysis.stdout + analysis.stderr
+    assert analysis.returncode == 0, report
+    # fr_trace names the op where the ranks parted and the rank that is missing.
+    assert "all_reduce" in report and "[8]" in report, report
+    assert "Not all ranks joining collective" in report and "missing ranks: {1}" in report, report
+    # Every group's ranks are in the dumps (no group reported with no ranks).
+    assert report.count("Not all ranks joining") == 1 and "world size: 0" not in report, report

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <numeric>
 
 #include "backend/fsdp_ext_backend.hpp"
 #include "backend/tensor_validation.hpp"
@@ -22,6 +23,11 @@ void FsdpExtBackend::set_global_ranks(std::vector<uint64_t> global_ranks) {
   TORCH_CHECK_VALUE(global_ranks.empty() || global_ranks.size() == static_cast<size_t>(size_),
                     label("init").prefix(), "expected ", size_, " global ranks but got ",
                     global_ranks.size());
+  if (global_ranks.empty()) {
+    // torch gives the default group no list: its ranks are the global ones.
+    global_ranks.resize(size_);
+    std::iota(global_ranks.begin(), global_ranks.end(), uint64_t{0});
+  }
   global_ranks_ = std::move(global_ranks);
 }
 
@@ -44,7 +50,7 @@ c10::intrusive_ptr<c10d::Backend> FsdpExtBackend::split(
   if (opts && !opts->group_desc.empty()) backend->setGroupDesc(opts->group_desc);
   std::vector<uint64_t> global;
   for (int rank : ranks) {
-    global.push_back(global_ranks_.empty() ? static_cast<uint64_t>(rank) : global_ranks_[rank]);
+    global.push_back(global_ranks_[rank]);
   }
   backend->set_global_ranks(std::move(global));
   return backend;

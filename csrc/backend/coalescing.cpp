@@ -52,7 +52,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::endCoalescing() {
                                           [](const CoalescedOp& m) { return m.collective; });
   // The batch's own Work takes no sequence number: its members did.
   auto work = make_work(c10d::OpType::COALESCED, "fsdp_ext:coalesced", /*collective=*/false,
-                        tensors, tensors, wait_spin_for_tensors(tensors));
+                        tensors, tensors, wait_spin_for_tensors(tensors), timeout);
   auto shared_members = std::make_shared<std::vector<CoalescedOp>>(std::move(members));
   comm::EngineOp op;
   op.name = "coalesced";

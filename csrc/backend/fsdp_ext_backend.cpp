@@ -18,6 +18,7 @@
 #include <unordered_set>
 
 #include "backend/environment.hpp"
+#include "backend/flight_recorder.hpp"
 #include "backend/peer_identity.hpp"
 #include "backend/store_address_exchange.hpp"
 #include "backend/tensor_validation.hpp"
@@ -124,12 +125,28 @@ std::chrono::microseconds FsdpExtBackend::wait_spin_for_tensors(
 c10::intrusive_ptr<FsdpExtWork> FsdpExtBackend::make_work(
     c10d::OpType type, const char* profiling_title, bool collective,
     const std::vector<at::Tensor>& inputs, std::vector<at::Tensor> outputs,
-    std::chrono::microseconds wait_spin) {
-  const bool counted = collective && profiling_title != nullptr;
-  const uint64_t seq = counted ? collective_seq_.fetch_add(1) + 1 : 0;
+    std::chrono::microseconds wait_spin, std::chrono::milliseconds timeout, int peer) {
+  WorkRecord record;
+  record.timed = timing_enabled_.load(std::memory_order_relaxed);
+  const bool users = profiling_title != nullptr;
+  if (users && collective) record.seq = collective_seq_.fetch_add(1) + 1;
+  FlightRecorder& recorder = FlightRecorder::instance();
+  if (users && recorder.enabled()) {
+    FlightRecorder::Op op;
+    op.group_name = group_name_;
+    op.group_desc = pg_desc_;
+    op.group_ranks = &global_ranks_;
+    op.collective_seq = collective_seq_.load();
+    op.is_p2p = peer >= 0;
+    op.p2p_seq = op.is_p2p ? p2p_seq_.fetch_add(1) + 1 : p2p_seq_.load();
+    op.op_id = ops_issued_.fetch_add(1) + 1;
+    op.profiling_name = flight_recorder_name(profiling_title, rank_, peer);
+    op.timeout = timeout;
+    record.trace_id = recorder.record(op, inputs, outputs);
+    record.global_rank = static_cast<int>(global_ranks_[rank_]);
+  }
   return c10::make_intrusive<FsdpExtWork>(rank_, type, profiling_title, inputs,
-                                          std::move(outputs), wait_spin, seq,
-                                          timing_enabled_.load());
+                                          std::move(outputs), wait_spin, record);
 }
 
 std::vector<at::Tensor> FsdpExtBackend::tensors_of_op(const std::vector<at::Tensor>& inputs,
@@ -147,10 +164,11 @@ std::vector<at::Tensor> FsdpExtBackend::tensors_of_op(const std::vector<at::Tens
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::enqueue(
     const OpLabel& label, c10d::OpType type, const char* profiling_title, bool collective,
     std::chrono::milliseconds timeout, std::vector<at::Tensor> outputs,
-    std::vector<at::Tensor> inputs, Body body, std::shared_ptr<const BucketMembers> bucket) {
+    std::vector<at::Tensor> inputs, Body body, std::shared_ptr<const BucketMembers> bucket,
+    int peer) {
   std::vector<at::Tensor> keep_alive = tensors_of_op(inputs, outputs);
   auto work = make_work(type, profiling_title, collective, inputs, std::move(outputs),
-                        wait_spin_for_tensors(keep_alive));
+                        wait_spin_for_tensors(keep_alive), timeout, peer);
   {
     std::lock_guard<std::mutex> lock(coalescing_mutex_);
     if (coalescing_on_this_thread()) {
@@ -832,7 +850,8 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::send(std::vector<at::Tensor>& ten
                  [tensor, dst_rank, tag](comm::OpContext& context) {
                    context.detach(context.send_user(dst_rank, tag, tensor.data_ptr(),
                                                     tensor.nbytes()));
-                 });
+                 },
+                 /*bucket=*/nullptr, /*peer=*/dst_rank);
 }
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::recv(std::vector<at::Tensor>& tensors,
@@ -859,7 +878,8 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::recv(std::vector<at::Tensor>& ten
                  [tensor, src_rank, tag](comm::OpContext& context) {
                    context.detach(context.recv_user(src_rank, tag, tensor.data_ptr(),
                                                     tensor.nbytes()));
-                 });
+                 },
+                 /*bucket=*/nullptr, /*peer=*/src_rank);
 }
 
 c10::intrusive_ptr<c10d::Work> FsdpExtBackend::recvAnysource(std::vector<at::Tensor>& tensors,
@@ -881,10 +901,12 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::recvAnysource(std::vector<at::Ten
     };
     return run_on_cuda(*cuda, l, std::move(op));
   }
-  return enqueue(l, c10d::OpType::RECVANYSOURCE, "fsdp_ext:recv_any_source", false,
+  return enqueue(l, c10d::OpType::RECVANYSOURCE, "fsdp_ext:recvAnySource", false,
                  default_timeout_, {tensor}, {tensor}, [tensor, tag](comm::OpContext& context) {
                    context.detach(context.recv_user(-1, tag, tensor.data_ptr(), tensor.nbytes()));
-                 });
+                 },
+                 // Any source: the Flight Recorder names it by the group size, no rank.
+                 /*bucket=*/nullptr, /*peer=*/size_);
 }
 
 }  // namespace fsdp_ext::backend

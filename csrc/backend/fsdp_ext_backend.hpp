@@ -49,7 +49,7 @@ class FsdpExtBackend : public c10d::Backend {
   // ProcessGroup.split_group copies them for the new group.
   c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override;
   // The ranks of this group among the default group's (from torch's
-  // factory options; empty when made without them).
+  // factory options; empty: the group's own ranks, as for the default group).
   void set_global_ranks(std::vector<uint64_t> global_ranks);
   // A new group over `ranks` (this group's ranks, this one among them) whose
   // members find each other through `store`; nullptr for a rank not in it.
@@ -189,13 +189,15 @@ class FsdpExtBackend : public c10d::Backend {
 
   OpLabel label(const char* op) const;
   // The Work of an op about to be queued or run: its profiler record over
-  // `inputs`, its collective sequence number (taken here: `collective` ops
-  // with a profiling title, those a user issued), timing when enabled.
+  // `inputs`, its sequence numbers (taken here for ops with a profiling
+  // title, those a user issued: collective, or point-to-point with `peer`),
+  // timing when enabled, and its Flight Recorder entry when that is on.
   c10::intrusive_ptr<FsdpExtWork> make_work(c10d::OpType type, const char* profiling_title,
                                             bool collective,
                                             const std::vector<at::Tensor>& inputs,
                                             std::vector<at::Tensor> outputs,
-                                            std::chrono::microseconds wait_spin);
+                                            std::chrono::microseconds wait_spin,
+                                            std::chrono::milliseconds timeout, int peer = -1);
   // The group's CUDA path when `tensors` are CUDA tensors (made at the
   // group's first CUDA collective), nullptr when they are CPU tensors;
   // refuses a mix of devices, naming both. A point-to-point op cannot make
@@ -224,7 +226,8 @@ class FsdpExtBackend : public c10d::Backend {
                                          std::chrono::milliseconds timeout,
                                          std::vector<at::Tensor> outputs,
                                          std::vector<at::Tensor> inputs, Body body,
-                                         std::shared_ptr<const BucketMembers> bucket = nullptr);
+                                         std::shared_ptr<const BucketMembers> bucket = nullptr,
+                                         int peer = -1);
   // Every tensor an op touches, each once (an in-place op lists its tensors
   // as inputs and outputs): what it keeps alive until it ends.
   static std::vector<at::Tensor> tensors_of_op(const std::vector<at::Tensor>& inputs,
@@ -264,6 +267,8 @@ class FsdpExtBackend : public c10d::Backend {
   uint64_t monitored_barriers_ = 0;
   // See getSequenceNumberForGroup and enableCollectivesTiming.
   std::atomic<uint64_t> collective_seq_{0};
+  std::atomic<uint64_t> p2p_seq_{0};
+  std::atomic<uint64_t> ops_issued_{0};
   std::atomic<bool> timing_enabled_{false};
   std::shared_ptr<comm::SharedBufferPool> pool_;
   std::shared_ptr<comm::SharedMemoryDomain> shared_memory_;

@@ -2,12 +2,14 @@
 
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
 #include <sched.h>
 
 #include <algorithm>
 #include <cstdlib>
 
 #include "backend/environment.hpp"
+#include "backend/flight_recorder.hpp"
 
 namespace fsdp_ext::backend {
 std::chrono::microseconds wait_spin_for(size_t op_bytes, bool crosses_hosts) {
@@ -40,10 +42,9 @@ std::optional<std::vector<at::Tensor>> profiled_inputs(const char* profiling_tit
 
 FsdpExtWork::FsdpExtWork(int rank, c10d::OpType type, const char* profiling_title,
                          const std::vector<at::Tensor>& inputs, std::vector<at::Tensor> outputs,
-                         std::chrono::microseconds wait_spin, uint64_t seq, bool timed)
+                         std::chrono::microseconds wait_spin, WorkRecord record)
     : c10d::Work(rank, type, profiling_title, profiled_inputs(profiling_title, inputs)),
-      seq_(seq),
-      timed_(timed),
+      record_(record),
       outputs_(std::move(outputs)),
       wait_spin_(wait_spin),
       future_(c10::make_intrusive<c10::ivalue::Future>(
@@ -72,12 +73,13 @@ int FsdpExtWork::sourceRank() const {
 void FsdpExtWork::mark_started() {
   // Called on the thread that begins the op, before complete() can run; a
   // second call (the rest of an op handed to the engine) changes nothing.
-  if (!timed_ || started_marked_.exchange(true)) return;
-  started_ = Clock::now();
+  if (started_marked_.exchange(true)) return;
+  if (record_.timed) started_ = Clock::now();
+  if (record_.trace_id) FlightRecorder::instance().started(*record_.trace_id);
 }
 
 float FsdpExtWork::getDuration() const {
-  TORCH_CHECK(timed_,
+  TORCH_CHECK(record_.timed,
               "fsdp_ext: Work.get_duration() needs collectives timing, which is off for this "
               "group: call enableCollectivesTiming() on its backend before the op");
   // completed_ is set by finish() under mutex_, after ended_ was written.
@@ -88,10 +90,23 @@ float FsdpExtWork::getDuration() const {
 }
 
 void FsdpExtWork::complete(const comm::OpOutcome& outcome) {
-  if (timed_) {
+  if (record_.timed) {
     // An op failed before it began counts from its end.
     ended_ = Clock::now();
     if (!started_marked_.exchange(true)) started_ = ended_;
+  }
+  if (record_.trace_id) {
+    // A failed op stays "started" in the record: where the ranks stopped.
+    FlightRecorder& recorder = FlightRecorder::instance();
+    if (outcome.ok) {
+      recorder.completed(*record_.trace_id);
+    } else if (outcome.kind != comm::ErrorKind::kAborted) {
+      const std::string where = recorder.write_dump_on_failure(record_.global_rank);
+      if (!where.empty()) {
+        LOG(ERROR) << "fsdp_ext: Flight Recorder dump written to " << where << " after: "
+                   << outcome.message;
+      }
+    }
   }
   source_rank_.store(outcome.source_rank);
   // finish() before the future: a future callback may call wait() on this

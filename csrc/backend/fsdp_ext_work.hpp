@@ -11,42 +11,50 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
+#include <optional>
 #include <vector>
 
 #include "comm/progress_engine.h"
 
 namespace fsdp_ext::backend {
 
+// What a Work records of its op besides completion.
+struct WorkRecord {
+  uint64_t seq = 0;       // the group's collective sequence number (0: not a collective)
+  bool timed = false;     // record start and end (Backend::enableCollectivesTiming)
+  // The op's Flight Recorder entry (flight_recorder.hpp), and the global
+  // rank whose dump file a failure writes.
+  std::optional<uint64_t> trace_id;
+  int global_rank = 0;
+};
+
 class FsdpExtWork : public c10d::Work {
  public:
   // `wait_spin`: how long wait() polls before it sleeps on the Work's
   // condition variable (see wait_spin_for).
   // `inputs`: the tensors the op reads, for the profiler's record (taken
-  // only while a profiler listens). `seq`: the group's collective sequence
-  // number of the op (0 for point-to-point ops). `timed`: record when the op
-  // starts and ends (Backend::enableCollectivesTiming).
+  // only while a profiler listens).
   FsdpExtWork(int rank, c10d::OpType type, const char* profiling_title,
               const std::vector<at::Tensor>& inputs, std::vector<at::Tensor> outputs,
-              std::chrono::microseconds wait_spin, uint64_t seq, bool timed);
+              std::chrono::microseconds wait_spin, WorkRecord record);
 
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::vector<at::Tensor> result() override;
   int sourceRank() const override;
-  uint64_t getSequencenumber() const override { return seq_; }
+  uint64_t getSequencenumber() const override { return record_.seq; }
   // Milliseconds from the op's start to its end; only for a finished op of
   // a group whose collectives timing is on.
   float getDuration() const override;
 
-  // When the op began to run (its first call counts; a no-op unless timed).
+  // When the op began to run (its first call counts).
   void mark_started();
   // Called exactly once, on the progress thread.
   void complete(const comm::OpOutcome& outcome);
 
  private:
   using Clock = std::chrono::steady_clock;
-  const uint64_t seq_;
-  const bool timed_;
+  const WorkRecord record_;
   // Written on the completing thread before finish(), read under mutex_
   // once completed_ is set.
   Clock::time_point started_{};

@@ -188,6 +188,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
       store_(store),
       nccl_factory_(std::move(nccl_factory)) {
   const OpLabel init_label = label("init");
+  set_global_ranks({});
   TORCH_CHECK_VALUE(size >= 1 && size < comm::tag::kMaxRanks, init_label.prefix(),
                     "group size ", size, " is out of range");
   const BackendEnvironment environment = read_environment(init_label.prefix());

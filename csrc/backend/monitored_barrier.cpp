@@ -42,7 +42,6 @@ void FsdpExtBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wai
   const uint64_t barrier = monitored_barriers_++;
   const std::string release = key(barrier, "release");
   const auto deadline = Clock::now() + timeout;
-  const std::string within = " within " + std::to_string(timeout.count()) + " ms";
   if (rank_ != 0) {
     store_->set(key(barrier, "arrived/" + std::to_string(rank_)), std::vector<uint8_t>{1});
     // Rank 0 may take the whole timeout to find a missing rank; twice that
@@ -56,9 +55,14 @@ void FsdpExtBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wai
     TORCH_CHECK(verdict == kPassed, l.prefix(), verdict);
     return;
   }
+  // gloo's wording, which torch's suite matches: "Rank 0 timed out in
+  // monitoredBarrier" when rank 0's time ran out before it could wait for a
+  // rank, else "Rank(s) N failed to pass monitoredBarrier in T ms".
   std::vector<int> missing;
+  bool out_of_time = false;
   for (int peer = 1; peer < size_; ++peer) {
     const std::string arrived = key(barrier, "arrived/" + std::to_string(peer));
+    const bool time_left = Clock::now() < deadline;
     if (arrives_by(*store_, arrived, deadline)) {
       try {
         store_->deleteKey(arrived);
@@ -67,16 +71,25 @@ void FsdpExtBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wai
       }
       continue;
     }
+    if (missing.empty() && !time_left) out_of_time = true;
     missing.push_back(peer);
     if (!wait_all_ranks) break;
   }
   std::string verdict = kPassed;
   if (!missing.empty()) {
-    verdict = missing.size() == 1 ? "rank " : "ranks ";  // replaces kPassed
+    std::string ranks;
     for (size_t i = 0; i < missing.size(); ++i) {
-      verdict += (i ? ", " : "") + std::to_string(missing[i]);
+      ranks += (i ? ", " : "") + std::to_string(missing[i]);
     }
-    verdict += " did not reach the barrier" + within;
+    const std::string ms = std::to_string(timeout.count()) + " ms";
+    if (out_of_time) {
+      verdict = "Rank 0 timed out in monitoredBarrier after " + ms + " (not yet arrived: " +
+                (missing.size() == 1 ? "rank " : "ranks ") + ranks + ")";
+    } else {
+      verdict = (missing.size() == 1 ? "Rank " : "Ranks ") + ranks +
+                " failed to pass monitoredBarrier in " + ms + ": " +
+                (missing.size() == 1 ? "it" : "they") + " did not reach the barrier";
+    }
     if (!wait_all_ranks && missing.front() < size_ - 1) {
       verdict += " (ranks after it were not checked: pass wait_all_ranks=True to list them all)";
     }

@@ -52,7 +52,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::run_small(
   comm::SmallOpChannel& channel = *small_ops_;
   // Small ops stay within a host: the usual poll (Note [how long a wait polls]).
   auto work = make_work(type, profiling_title, /*collective=*/true, inputs, outputs,
-                        wait_spin_for(0, /*crosses_hosts=*/false));
+                        wait_spin_for(0, /*crosses_hosts=*/false), timeout);
   std::vector<at::Tensor> keep_alive = tensors_of_op(inputs, outputs);
   // What the engine runs: the whole op when it is busy, or the rest of it.
   auto engine_op = [&](std::function<void(comm::OpContext&)> body) {

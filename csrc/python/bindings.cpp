@@ -8,6 +8,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/python.h>
 
+#include "backend/flight_recorder.hpp"
 #include "backend/fsdp_ext_backend.hpp"
 #include "comm/algorithm_selection.h"
 #include "comm/algorithms/small_ops.h"
@@ -224,5 +225,28 @@ PYBIND11_MODULE(_C, m) {
   m.def("_shutdown_all", &FsdpExtBackend::shutdown_all,
         py::call_guard<py::gil_scoped_release>(),
         "Shut down every live fsdp_ext backend (called at interpreter exit).");
+  m.def(
+      "_flight_recorder_enabled",
+      [] { return fsdp_ext::backend::FlightRecorder::instance().enabled(); },
+      "Whether fsdp_ext ops are recorded (TORCH_FR_BUFFER_SIZE > 0).");
+  m.def(
+      "_flight_recorder_dump",
+      [](bool only_active) {
+        std::string dump;
+        {
+          py::gil_scoped_release no_gil;
+          dump = fsdp_ext::backend::FlightRecorder::instance().dump(only_active);
+        }
+        return py::bytes(dump);
+      },
+      py::arg("only_active") = false,
+      "The Flight Recorder's entries of fsdp_ext ops, pickled in torch's dump format.");
+  m.def(
+      "_flight_recorder_write",
+      [](int global_rank) {
+        return fsdp_ext::backend::FlightRecorder::instance().write_dump(global_rank);
+      },
+      py::arg("global_rank"), py::call_guard<py::gil_scoped_release>(),
+      "Writes the dump to torch's Flight Recorder file for this rank; returns its path.");
   fsdp_ext::python::bind_fsdp_runtime(m);
 }

@@ -13,7 +13,7 @@ export UCX_NET_DEVICES ?= lo
 export UCX_TLS ?= self,sm,tcp
 export UCX_LOG_LEVEL ?= error
 
-.PHONY: setup system-deps cpp-deps cpp-test venv build test compat-test demo bench clean
+.PHONY: setup system-deps cpp-deps cpp-test venv build test compat-test torch-suite demo bench clean
 
 setup: build
 
@@ -81,10 +81,11 @@ build: venv
 	$(PY) -c "import torch_fsdp_ext, torch.distributed as d; assert 'fsdp_ext' in d.Backend.backend_list; print('torch_fsdp_ext built for torch', __import__('torch').__version__)"
 
 # Test-only packages: Lightning Fabric, whose FSDP2 strategy
-# test/test_framework_fabric.py trains with. --no-deps, each dependency named,
+# test/test_framework_fabric.py trains with, and expecttest, which torch's own
+# test helpers import (test/torch_suite/). --no-deps, each dependency named,
 # so that pip can never pull another torch.
 $(VENV)/.test-deps: $(VENV)/.installed
-	$(PY) -m pip install -q --no-deps lightning-fabric==2.6.6 lightning-utilities==0.15.3 fsspec==2026.9.0
+	$(PY) -m pip install -q --no-deps lightning-fabric==2.6.6 lightning-utilities==0.15.3 fsspec==2026.9.0 expecttest==0.3.0
 	touch $@
 
 test: build cpp-test $(VENV)/.test-deps
@@ -98,6 +99,12 @@ test: build cpp-test $(VENV)/.test-deps
 # `make test`.
 compat-test: system-deps
 	bash test/compat_pass.sh
+
+# torch's own distributed test suite on gloo and on fsdp_ext at world sizes 2
+# and 3 (test/torch_suite/compare.py): about 45 minutes on 2 cores; rewrites
+# docs/torch-suite.md. `make test` runs a slice of it (test/test_torch_suite.py).
+torch-suite: build $(VENV)/.test-deps
+	$(PY) test/torch_suite/compare.py --world-sizes 2 3
 
 demo: build
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/train_fsdp.py

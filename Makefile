@@ -84,7 +84,8 @@ build: venv
 # test/test_framework_fabric.py trains with, and expecttest, which torch's own
 # test helpers import (test/torch_suite/). --no-deps, each dependency named,
 # so that pip can never pull another torch.
-$(VENV)/.test-deps: $(VENV)/.installed
+# (Remade when this file changes: a new test package reaches existing venvs.)
+$(VENV)/.test-deps: $(VENV)/.installed Makefile
 	$(PY) -m pip install -q --no-deps lightning-fabric==2.6.6 lightning-utilities==0.15.3 fsspec==2026.9.0 expecttest==0.3.0
 	touch $@
 

@@ -1,4 +1,4 @@
-"""The differences between the torch versions we support (2.11 to 2.15).
+"""The differences between the torch versions we support (2.11 to 2.14).
 
 Each difference is named here once, with the version that brought it; the rest
 of the package (and the tests) asks this module instead of checking versions.

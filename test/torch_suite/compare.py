@@ -24,22 +24,48 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 BACKENDS = ("gloo", "fsdp_ext")
 
 # Tests torch's own code refuses to every backend not named gloo: the
-# refusal is in torch, not in the backend under test.
+# refusal is in torch, not in the backend under test. Each names the torch
+# file and a line of it, found in the installed torch when the report is made.
+MONITORED_BARRIER = (
+    "distributed/distributed_c10d.py",
+    'raise ValueError("monitored_barrier is only implemented for GLOO backend.")',
+    "`dist.monitored_barrier` refuses every backend not named gloo; fsdp_ext offers the same "
+    "barrier as `torch_fsdp_ext.monitored_barrier`.",
+)
 EXCEPTIONS = {
-    "test_monitored_barrier_gloo": (
-        "`dist.monitored_barrier` raises `ValueError(\"monitored_barrier is only implemented "
-        "for GLOO backend.\")` when `get_backend(group) != Backend.GLOO` "
-        "(torch/distributed/distributed_c10d.py, `monitored_barrier`). fsdp_ext offers the same "
-        "barrier as `torch_fsdp_ext.monitored_barrier`."),
-    "test_monitored_barrier_gloo_subgroup": (
-        "the same name check in `dist.monitored_barrier`."),
+    "test_monitored_barrier_gloo": MONITORED_BARRIER,
+    "test_monitored_barrier_gloo_subgroup": MONITORED_BARRIER,
     "test_ddp_logging_data_cpu": (
-        "DDP logs `ProcessGroup::getBackendName()`, which is "
-        "`backendTypeToString(backendType_)` and answers `\"custom\"` for every backend "
-        "registered with `Backend.register_backend` "
-        "(torch/include/torch/csrc/distributed/c10d/ProcessGroup.hpp); the test expects "
-        "`dist.get_backend(group)`, `\"fsdp_ext\"`."),
+        "include/torch/csrc/distributed/c10d/ProcessGroup.hpp",
+        "return backendTypeToString(backendType_);",
+        "DDP logs `ProcessGroup::getBackendName()`, the name of the group's backend type, which "
+        "is `\"custom\"` for every backend registered with `Backend.register_backend`; the test "
+        "expects `dist.get_backend(group)`, `\"fsdp_ext\"`.",
+    ),
 }
+
+
+def torch_line(relative_path, needle):
+    """`relative_path:line` of `needle` in the installed torch ("" if absent)."""
+    import torch
+
+    path = os.path.join(os.path.dirname(torch.__file__), relative_path)
+    try:
+        with open(path) as source:
+            for number, line in enumerate(source, 1):
+                if needle in line:
+                    return f"torch/{relative_path}:{number}"
+    except OSError:
+        pass
+    return ""
+
+
+def exception_reason(test):
+    if test not in EXCEPTIONS:
+        return None
+    relative_path, needle, why = EXCEPTIONS[test]
+    where = torch_line(relative_path, needle) or f"torch/{relative_path}"
+    return f"{why} (`{where}`: `{needle}`)"
 
 
 def run_one(backend, world_size, results_dir):
@@ -58,6 +84,18 @@ def run_one(backend, world_size, results_dir):
         subprocess.run([sys.executable, os.path.join(HERE, "run_suite.py"), "-v"],
                        env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     elapsed = time.monotonic() - start
+    with open(os.path.join(results_dir, f"{backend}_ws{world_size}.seconds"), "w") as out:
+        out.write(f"{elapsed:.0f}\n")
+    return load_one(backend, world_size, results_dir, elapsed, log)
+
+
+def load_one(backend, world_size, results_dir, elapsed=None, log=None):
+    """A run's outcomes per test, and how long it took."""
+    path = os.path.join(results_dir, f"{backend}_ws{world_size}.jsonl")
+    log = log or os.path.join(results_dir, f"{backend}_ws{world_size}.log")
+    if elapsed is None:
+        with open(os.path.join(results_dir, f"{backend}_ws{world_size}.seconds")) as seconds:
+            elapsed = float(seconds.read())
     outcomes = {}
     if os.path.exists(path):
         with open(path) as lines:
@@ -91,7 +129,7 @@ def summarise(world_size, runs):
         mine = ours.get(test, {"outcome": "missing", "detail": ""})
         if mine["outcome"] != "passed":
             behind.append((test, mine["outcome"], first_line(mine["detail"]),
-                           EXCEPTIONS.get(test)))
+                           exception_reason(test)))
     ahead = sorted(t for t, e in ours.items()
                    if e["outcome"] == "passed" and gloo.get(t, {}).get("outcome") != "passed")
     return counts, behind, ahead
@@ -147,15 +185,28 @@ def main():
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--report", default=os.path.join(ROOT, "docs", "torch-suite.md"))
     parser.add_argument("--results", default=os.path.join(ROOT, "build", "torch_suite"))
+    parser.add_argument("--report-only", action="store_true",
+                        help="write the report from the last run's results, running nothing")
     args = parser.parse_args()
     os.makedirs(args.results, exist_ok=True)
     started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip() or "unknown"
+    if args.report_only:
+        stamp = os.path.getmtime(os.path.join(args.results, f"gloo_ws{args.world_sizes[0]}.jsonl"))
+        started = datetime.datetime.fromtimestamp(stamp).strftime("%Y-%m-%d %H:%M")
+    commit_file = os.path.join(args.results, "commit")
+    if args.report_only:
+        with open(commit_file) as text:
+            commit = text.read().strip()
+    else:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip() or "unknown"
+        with open(commit_file, "w") as out:
+            out.write(commit + "\n")
     sections = []
     unexplained = 0
     for world_size in args.world_sizes:
-        runs = {backend: run_one(backend, world_size, args.results) for backend in BACKENDS}
+        load = load_one if args.report_only else run_one
+        runs = {backend: load(backend, world_size, args.results) for backend in BACKENDS}
         counts, behind, ahead = summarise(world_size, runs)
         sections.append((world_size, (counts, behind, ahead)))
         unexplained += sum(1 for *_, reason in behind if reason is None)

@@ -21,6 +21,13 @@ except ImportError:
     DataParallelMeshDims = None
 
 
+# torch 2.15: MixedPrecisionPolicy(param_dtype=..., reduce_dtype=None) reduces
+# gradients in the parameters' original dtype (upcast from param_dtype as they
+# are copied into the reduce-scatter input), where 2.11-2.14 reduce them in
+# param_dtype.
+UNSET_REDUCE_DTYPE_IS_ORIGINAL_DTYPE = TORCH_VERSION >= (2, 15)
+
+
 def needs_newer_torch(feature: str, version: tuple) -> str:
     """Why `feature` is unavailable: it came with torch `version`; this is older.
     The message for an error, or for a test's skip."""

@@ -24,7 +24,7 @@ from torch.distributed._composable_state import _get_module_state, _insert_modul
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from .. import _C
+from .. import _C, _compat
 from . import _extensions, _host_shared, _init
 from ._trace import ShardedState, TrainingState
 
@@ -356,7 +356,7 @@ class FSDPState(_State):
         for group in groups:
             with torch.no_grad():
                 group.reset_sharded_params()
-            group.init_mp_dtypes(policy.param_dtype, policy.reduce_dtype)
+            group.init_mp_dtypes(policy.param_dtype, _reduce_dtype(policy, group))
         on_meta = [p.fqn for group in groups for p in group.params if p.is_meta]
         if on_meta:
             raise RuntimeError(
@@ -493,6 +493,17 @@ class FSDPState(_State):
         self._comm_ctx.finish_backward(True)
         ctx.iter_forward_root = None
         ctx.hooks.final_callback_done()
+
+
+def _reduce_dtype(policy, group) -> Optional[torch.dtype]:
+    """The dtype a group reduces gradients in, as this torch's upstream picks it:
+    the policy's reduce_dtype; unset, param_dtype before torch 2.15 (None here
+    means that) and the parameters' original dtype from 2.15 on."""
+    if (policy.reduce_dtype is not None or policy.param_dtype is None
+            or not _compat.UNSET_REDUCE_DTYPE_IS_ORIGINAL_DTYPE):
+        return policy.reduce_dtype
+    trainable = [p.sharded_param for p in group.params if p.sharded_param.requires_grad]
+    return trainable[0].dtype if trainable else None
 
 
 def _cast_floating(tree: Any, dtype: Optional[torch.dtype]) -> Any:

@@ -88,8 +88,7 @@ uint64_t FlightRecorder::record(const Op& op, const std::vector<at::Tensor>& inp
                                 const std::vector<at::Tensor>& outputs) {
   Entry entry;
   entry.op = op;
-  entry.op.group_ranks = nullptr;
-  if (op.group_ranks) entry.ranks = *op.group_ranks;
+  entry.op.group_ranks = nullptr;  // the group's ranks are kept once, in groups_
   entry.time_created_ns = now_ns();
   for (const at::Tensor& tensor : inputs) {
     entry.input_sizes.push_back(tensor.sizes().vec());
@@ -101,11 +100,15 @@ uint64_t FlightRecorder::record(const Op& op, const std::vector<at::Tensor>& inp
   }
   std::lock_guard<std::mutex> lock(mutex_);
   const auto known = group_ids_.emplace(op.group_name, static_cast<int64_t>(group_ids_.size()));
+  if (known.second) {
+    groups_[op.group_name] = {op.group_desc,
+                              op.group_ranks ? *op.group_ranks : std::vector<uint64_t>{}};
+  }
   entry.pg_id = known.first->second;
-  groups_[op.group_name] = {op.group_desc, entry.ranks};
-  entry.id = next_id_++;
-  ring_[entry.id % capacity_] = std::move(entry);
-  return ring_[(next_id_ - 1) % capacity_].id;
+  const uint64_t id = next_id_++;
+  entry.id = id;
+  ring_[id % capacity_] = std::move(entry);
+  return id;
 }
 
 FlightRecorder::Entry* FlightRecorder::find(uint64_t id) {

@@ -70,7 +70,6 @@ class FlightRecorder {
   struct Entry {
     uint64_t id = 0;
     Op op;
-    std::vector<uint64_t> ranks;
     int64_t pg_id = 0;
     int64_t time_created_ns = 0;
     int64_t time_started_ns = 0;  // 0: not started
@@ -84,7 +83,8 @@ class FlightRecorder {
   mutable std::mutex mutex_;
   std::vector<Entry> ring_;  // ring_[id % capacity_]
   uint64_t next_id_ = 0;
-  // Groups in the order first seen: their pg_id, name, desc and ranks.
+  // Groups in the order first seen: their pg_id, and their desc and ranks as
+  // at their first op (both are set before a group's first op).
   std::map<std::string, int64_t> group_ids_;
   std::map<std::string, std::pair<std::string, std::vector<uint64_t>>> groups_;
   std::atomic<bool> dumped_on_failure_{false};

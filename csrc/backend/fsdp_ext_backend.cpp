@@ -136,7 +136,7 @@ c10::intrusive_ptr<FsdpExtWork> FsdpExtBackend::make_work(
     op.group_name = group_name_;
     op.group_desc = pg_desc_;
     op.group_ranks = &global_ranks_;
-    op.collective_seq = collective_seq_.load();
+    op.collective_seq = collective ? record.seq : collective_seq_.load();
     op.is_p2p = peer >= 0;
     op.p2p_seq = op.is_p2p ? p2p_seq_.fetch_add(1) + 1 : p2p_seq_.load();
     op.op_id = ops_issued_.fetch_add(1) + 1;

@@ -46,7 +46,9 @@ from fsdp_testing import (
     mlp_batch,
     shard_lm,
     shard_stack,
+    UPSTREAM_SINCE,
 )
+from torch_fsdp_ext._compat import needs_newer_torch
 
 # --------------------------------------------------------------------------
 # Exports
@@ -367,6 +369,22 @@ def check_newer_torch_features(ctx):
             call()
         return f"{type(info.value).__name__}: {info.value}"
 
+    import dataclasses
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if "param_dtype_override_fn" in {f.name for f in dataclasses.fields(MixedPrecisionPolicy)}:
+        # torch 2.15's dtypes per parameter: refused, not ignored.
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                      param_dtype_override_fn=lambda p: None)
+        refused = message(lambda: torch_fsdp_ext.fully_shard(nn.Linear(2, 2), mp_policy=policy))
+        assert refused.startswith("NotImplementedError: torch_fsdp_ext.fully_shard(Linear): "
+                                  "MixedPrecisionPolicy.param_dtype_override_fn"), refused
+        linear = nn.Linear(2, 2)
+        linear.weight.grad_dtype = torch.float64
+        refused = message(lambda: torch_fsdp_ext.fully_shard(linear))
+        assert "explicit grad_dtype (weight)" in refused, refused
+        assert not isinstance(linear.weight, torch.distributed.tensor.DTensor)  # untouched
     invalid = ("not a placement",)
     ours = message(lambda: torch_fsdp_ext.fully_shard(
         nn.Linear(2, 2), shard_placement_fn=lambda p: invalid))
@@ -642,6 +660,128 @@ def check_unshard_reshard(ctx, impl):
 @pytest.mark.parametrize("ws", [1, 2, 4])
 def test_unshard_and_reshard(ws, impl):
     get_pool(ws).run(check_unshard_reshard, impl)
+
+
+def _skip_unless_impl_has(impl, feature):
+    """Ours has torch 2.15's FSDPModule methods on every torch; upstream's
+    only from 2.15 (compared there, by the compatibility pass)."""
+    if impl == "upstream" and not upstream_has(feature):
+        version, what = UPSTREAM_SINCE[feature]
+        pytest.skip(needs_newer_torch(f"upstream's {what}", version))
+
+
+def check_manual_backward_finalization(ctx, impl):
+    """torch 2.15's pipelining flow: microbatch backwards with gradient sync
+    and resharding off under manual finalization, then sync on and
+    finalize_backward(async_op=True), its handle waited on. The gradients
+    are those of the automatic flow (sync only on the last microbatch), bit
+    for bit: the same sums in the same order."""
+    import torch.distributed.fsdp as upstream_fsdp
+    from torch.distributed.tensor import DTensor
+
+    pkg = upstream_fsdp if impl == "upstream" else __import__("torch_fsdp_ext")
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    automatic = MLPStack(n=2)
+    manual = copy.deepcopy(automatic)
+    shard_stack(automatic, api)
+    shard_stack(manual, api)
+    batches = [mlp_batch(ctx.rank, step) for step in range(3)]
+
+    for i, x in enumerate(batches):
+        automatic.set_requires_gradient_sync(i == len(batches) - 1)
+        automatic(x).sum().backward()
+
+    # Before the first forward: a no-op, a handle whose wait() does nothing.
+    assert manual.finalize_backward() is None
+    manual.finalize_backward(async_op=True).wait()
+    manual.set_manual_backward_finalization(True)
+    manual.set_requires_gradient_sync(False)
+    manual.set_reshard_after_backward(False)
+    for x in batches:
+        manual(x).sum().backward()
+    # Nothing reduced nor resharded yet: the unsharded parameters hold the
+    # accumulated gradients. The mode is the iteration's until it ends.
+    for name, param in manual.named_parameters():
+        assert not isinstance(param, DTensor) and param.grad is not None, name
+    with pytest.raises(RuntimeError, match="cannot change mode after backward starts"):
+        manual.set_manual_backward_finalization(False)
+    with pytest.raises(RuntimeError, match="must be called on the root"):
+        manual[1].set_manual_backward_finalization(True)
+    manual.set_requires_gradient_sync(True)
+    manual.set_reshard_after_backward(True)
+    handle = manual.finalize_backward(async_op=True)
+    assert isinstance(handle, pkg.GradientReductionHandle), type(handle)
+    with pytest.raises(RuntimeError, match="must be waited on before forward"):
+        manual(batches[0])
+    with pytest.raises(RuntimeError, match="waited on before finalizing backward again"):
+        manual.finalize_backward()
+    handle.wait()
+    handle.wait()  # a second wait is harmless
+    manual.set_manual_backward_finalization(False)
+    for (name, ours), theirs in zip(manual.named_parameters(), automatic.parameters()):
+        assert ours.grad is not None, name
+        assert torch.equal(ours.grad.to_local(), theirs.grad.to_local()), (
+            name, ours.grad.to_local(), theirs.grad.to_local())
+    for name, param in manual.named_parameters():
+        assert isinstance(param, DTensor), name  # resharded
+
+    # Back in automatic mode: finalize_backward is refused, training goes on.
+    with pytest.raises(RuntimeError, match="requires manual backward finalization"):
+        manual.finalize_backward()
+    manual(batches[0]).sum().backward()
+    # Synchronous finalization of one backward with sync on.
+    manual.set_manual_backward_finalization(True)
+    manual.zero_grad()
+    automatic.zero_grad()
+    manual(batches[1]).sum().backward()
+    automatic(batches[1]).sum().backward()
+    assert manual.finalize_backward() is None
+    for (name, ours), theirs in zip(manual.named_parameters(), automatic.parameters()):
+        assert torch.equal(ours.grad.to_local(), theirs.grad.to_local()), name
+    return True
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_manual_backward_finalization(impl):
+    _skip_unless_impl_has(impl, "manual_backward_finalization")
+    get_pool(2).run(check_manual_backward_finalization, impl)
+
+
+def check_keep_unsharded_storage(ctx, impl):
+    """set_keep_unsharded_storage(True): resharding leaves the unsharded
+    parameters' storage allocated, so the next unshard writes the same memory
+    (the same data pointers); False: it is freed again."""
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    model = shard_stack(MLPStack(n=2), api)
+    block = model[1]
+
+    def unsharded_weight():
+        block.unshard()
+        weight = block.in_proj.weight
+        return weight, weight.data_ptr()
+
+    weight, pointer = unsharded_weight()
+    block.reshard()
+    assert weight.untyped_storage().nbytes() == 0  # freed by default
+    model.set_keep_unsharded_storage(True)
+    weight, pointer = unsharded_weight()
+    block.reshard()
+    assert weight.untyped_storage().nbytes() > 0
+    assert unsharded_weight()[1] == pointer
+    block.reshard()
+    model.set_keep_unsharded_storage(False, recurse=True)
+    weight, _ = unsharded_weight()
+    block.reshard()
+    assert weight.untyped_storage().nbytes() == 0
+    return True
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_keep_unsharded_storage(impl):
+    _skip_unless_impl_has(impl, "keep_unsharded_storage")
+    get_pool(2).run(check_keep_unsharded_storage, impl)
 
 
 # --------------------------------------------------------------------------

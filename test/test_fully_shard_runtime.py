@@ -343,6 +343,40 @@ def test_reset_iter_state_after_exception():
     get_pool(2).run(check_reset_iter_state)
 
 
+def check_reset_iter_state_ends_the_iteration(ctx, impl):
+    """What reset_iter_state leaves after a completed step and a failed one,
+    as this torch's upstream: the sharded gradients (dropped from torch 2.15
+    on, kept before), and a manual-finalization iteration ended (its mode can
+    change again)."""
+    from fsdp_testing import fsdp_api, upstream_has
+
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    model = nn.Sequential(MLP(10, 24), Flaky(), MLP(10, 24))
+    for module in model:
+        api.fully_shard(module)
+    api.fully_shard(model)
+    model(mlp_batch(ctx.rank, 0)).sum().backward()
+    if impl == "ours" or upstream_has("manual_backward_finalization"):
+        model.set_manual_backward_finalization(True)
+        model(mlp_batch(ctx.rank, 1)).sum().backward()
+    model[1].fail = True
+    with pytest.raises(ValueError, match="injected failure"):
+        model(mlp_batch(ctx.rank, 2))
+    model.reset_iter_state()
+    if impl == "ours" or upstream_has("manual_backward_finalization"):
+        model.set_manual_backward_finalization(False)
+    return {name: param.grad is not None for name, param in model.named_parameters()}
+
+
+def test_reset_iter_state_ends_the_iteration_as_upstream():
+    pool = get_pool(2)
+    ours = pool.run(check_reset_iter_state_ends_the_iteration, "ours")
+    upstream = pool.run(check_reset_iter_state_ends_the_iteration, "upstream")
+    assert ours == upstream, (ours, upstream)
+    assert len(set(ours[0].values())) == 1, ours  # every gradient kept, or every one dropped
+
+
 def check_reshard_after_forward_changed_on_post_forward_mesh(ctx):
     """Parameters left on the reshard_after_forward=k mesh (a no_grad
     forward) go back to full sharding when the setting changes, and the next

@@ -1,4 +1,4 @@
-"""The differences between the torch versions we support (2.11 to 2.14).
+"""The differences between the torch versions we support (2.11 to 2.15).
 
 Each difference is named here once, with the version that brought it; the rest
 of the package (and the tests) asks this module instead of checking versions.
@@ -26,6 +26,19 @@ except ImportError:
 # are copied into the reduce-scatter input), where 2.11-2.14 reduce them in
 # param_dtype.
 UNSET_REDUCE_DTYPE_IS_ORIGINAL_DTYPE = TORCH_VERSION >= (2, 15)
+
+# torch 2.15: FSDPModule.reset_iter_state also drops the sharded gradients
+# (the failed iteration's), where 2.11-2.14 keep them.
+RESET_ITER_STATE_DROPS_SHARDED_GRADS = TORCH_VERSION >= (2, 15)
+
+# torch 2.15: FSDPModule.finalize_backward(async_op=True) returns one of
+# these (exported by torch.distributed.fsdp); None before. Our handle is a
+# subclass of it where it exists (FSDPModule.finalize_backward is ours on
+# every torch of the range).
+try:
+    from torch.distributed.fsdp import GradientReductionHandle
+except ImportError:
+    GradientReductionHandle = None
 
 
 def needs_newer_torch(feature: str, version: tuple) -> str:

@@ -257,6 +257,7 @@ at::Tensor FsdpParam::local_grad(at::Tensor grad) const {
 }
 
 void FsdpParam::release_unsharded_storage() {
+  if (keep_unsharded_storage_) return;
   if (has_extension() && unsharded_tensor_.defined()) extension_.attr("release")();
   // Host-shared memory stays: the other ranks of the host share it.
   if (all_gather_output_.defined() && !host_shared_) release_storage(all_gather_output_);

@@ -126,7 +126,13 @@ class FSDP_EXT_HIDDEN FsdpParam {
   // The module that holds the parameter (upstream passes it to the pre hook).
   py::object owner_module() const { return slots_.front().module(); }
   bool has_unsharded_param() const { return unsharded_tensor_.defined(); }
+  // Frees the unsharded storage on resharding, unless it is kept.
   void release_unsharded_storage();
+  // FSDPModule.set_keep_unsharded_storage (torch 2.15's): resharding keeps
+  // the unsharded storage, so its data pointers stay the same across steps
+  // (what a captured CUDA graph replays), for the memory it holds.
+  bool keep_unsharded_storage() const { return keep_unsharded_storage_; }
+  void set_keep_unsharded_storage(bool keep) { keep_unsharded_storage_ = keep; }
 
   // Zeros shaped and typed as the unsharded parameter: the gradient of an
   // unused parameter under set_reduce_scatter_unused_params.
@@ -209,6 +215,7 @@ class FSDP_EXT_HIDDEN FsdpParam {
 
   at::Tensor all_gather_output_;  // 1-D, world * padded numel
   bool host_shared_ = false;      // all_gather_output_ views host-shared memory
+  bool keep_unsharded_storage_ = false;
   py::object unsharded_spec_ = py::none();
   bool pin_memory_ = false;
   py::object grad_dp_dims_ = py::tuple();

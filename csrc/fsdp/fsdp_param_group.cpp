@@ -588,6 +588,7 @@ void FsdpParamGroup::prefetch_unshard(TrainingState state) {
 
 void FsdpParamGroup::post_backward() {
   training_state_ = TrainingState::kPostBackward;
+  post_backward_pending_ = !options_.reduce_grads;
   {
     ProfilerRange range([&] { return profile_label("FSDP::post_backward_accumulate"); });
     for (const auto& param : params_) param->accumulate_unsharded_grad_if_needed();
@@ -910,10 +911,17 @@ void FsdpParamGroup::drop_pending_all_gather() {
   if (pending.across_hosts) finish_column_exchange(pending);
 }
 
-void FsdpParamGroup::finish_backward(bool is_last_backward) {
+void FsdpParamGroup::finish_backward(bool is_last_backward, bool defer_reduction) {
   // A group autograd never reached (its inputs need no gradient, or its
-  // module was unused) still reduces what it has.
-  if (training_state_ != TrainingState::kPostBackward) post_backward();
+  // module was unused) still reduces what it has, now or, deferred, at the
+  // caller's finalize_backward.
+  if (training_state_ != TrainingState::kPostBackward) {
+    if (defer_reduction && options_.reduce_grads) {
+      post_backward_pending_ = true;
+    } else {
+      post_backward();
+    }
+  }
   training_state_ = TrainingState::kIdle;
   if (is_last_backward) finalize_backward();
 }
@@ -931,6 +939,7 @@ void FsdpParamGroup::reset_iter_state() {
   }
   reshard_after_forward_event_.reset();
   partial_reduce_output_ = at::Tensor();
+  post_backward_pending_ = false;
   // The failed iteration's gradients must not be reduced with the next one.
   for (const auto& param : params_) param->drop_unsharded_grad();
   post_forward_indices_.clear();

@@ -127,7 +127,17 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   void finalize_backward();
   // The root's end-of-backward callback, for every group: post_backward if
   // autograd did not run it, back to IDLE, finalize after the last backward.
-  void finish_backward(bool is_last_backward);
+  // `defer_reduction` (manual backward finalization): a group that would
+  // reduce marks its post_backward pending instead, for the caller's
+  // FSDPModule.finalize_backward to run.
+  void finish_backward(bool is_last_backward, bool defer_reduction);
+  // Whether this group's gradients still await a post_backward that reduces
+  // them: set by a post_backward without gradient sync and by a deferred
+  // one, cleared by a post_backward that reduces and by reset_iter_state.
+  bool post_backward_pending() const { return post_backward_pending_; }
+  // HSDP with set_requires_all_reduce(False): reduce-scattered gradients
+  // held for a later backward's all-reduce.
+  bool has_partial_reduce_output() const { return partial_reduce_output_.defined(); }
   // Unshards this group as if it were in `state` (explicit or implicit
   // prefetch); the state is restored afterwards.
   void prefetch_unshard(TrainingState state);
@@ -284,6 +294,7 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   std::vector<std::weak_ptr<FsdpParamGroup>> forward_prefetch_;
   std::vector<std::weak_ptr<FsdpParamGroup>> backward_prefetch_;
   bool explicit_backward_prefetch_ = false;
+  bool post_backward_pending_ = false;
   // Over trainable parameters, set by init_mp_dtypes: the dtype sharded
   // gradients are accumulated in, and the reduce dtype (nullopt: the
   // gradients' own).

@@ -55,12 +55,14 @@ void FsdpStateContext::set_states(const std::vector<std::shared_ptr<FsdpState>>&
   states_.assign(states.begin(), states.end());
 }
 
-void FsdpStateContext::finish_backward(bool is_last_backward) {
+void FsdpStateContext::finish_backward(bool is_last_backward, bool defer_reduction) {
   // A copy: the groups may call Python (comm hooks, a Python process group),
   // which could set the states again meanwhile.
   const std::vector<std::weak_ptr<FsdpState>> states = states_;
   for (const auto& weak : states) {
-    if (std::shared_ptr<FsdpState> state = weak.lock()) state->finish_backward(is_last_backward);
+    if (std::shared_ptr<FsdpState> state = weak.lock()) {
+      state->finish_backward(is_last_backward, defer_reduction);
+    }
   }
 }
 
@@ -116,9 +118,9 @@ void FsdpState::register_pre_backward(const std::vector<at::Tensor>& outputs) {
   }
 }
 
-void FsdpState::finish_backward(bool is_last_backward) {
+void FsdpState::finish_backward(bool is_last_backward, bool defer_reduction) {
   for (auto group = groups_.rbegin(); group != groups_.rend(); ++group) {
-    (*group)->finish_backward(is_last_backward);
+    (*group)->finish_backward(is_last_backward, defer_reduction);
   }
   training_state_ = TrainingState::kIdle;
 }

@@ -79,7 +79,7 @@ class FSDP_EXT_HIDDEN FsdpStateContext : public std::enable_shared_from_this<Fsd
   // The end-of-backward callback's per-state part: each state's
   // finish_backward, in order (a group's error stops it there, as a loop
   // over the states in Python would).
-  void finish_backward(bool is_last_backward);
+  void finish_backward(bool is_last_backward, bool defer_reduction);
 
  private:
   void run_final_callback();
@@ -148,7 +148,7 @@ class FSDP_EXT_HIDDEN FsdpState : public std::enable_shared_from_this<FsdpState>
   void pre_backward();
   // Step 5's share of this state: each group's finish_backward, the last
   // group first (autograd's order within one module), then IDLE.
-  void finish_backward(bool is_last_backward);
+  void finish_backward(bool is_last_backward, bool defer_reduction);
 
  private:
   TrainingState training_state_ = TrainingState::kIdle;

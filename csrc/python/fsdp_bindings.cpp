@@ -96,6 +96,8 @@ void bind_fsdp_runtime(py::module_& m) {
            py::arg("shard_world_size"), py::arg("shard_dim") = 0,
            "slots: (module, attribute name, write module._parameters directly) per holder.")
       .def_property("fqn", &FsdpParam::fqn, &FsdpParam::set_fqn)
+      .def_property("keep_unsharded_storage", &FsdpParam::keep_unsharded_storage,
+                    &FsdpParam::set_keep_unsharded_storage)
       .def_property_readonly("sharded_state", &FsdpParam::sharded_state)
       .def_property_readonly("sharded_param", &FsdpParam::sharded_param)
       .def_property("unsharded_spec", &FsdpParam::unsharded_spec, &FsdpParam::set_unsharded_spec,
@@ -119,7 +121,11 @@ void bind_fsdp_runtime(py::module_& m) {
         return "FsdpParam(fqn=" + p.fqn() + ", orig_size=(" + sizes + "))";
       });
 
-  py::class_<FsdpCommContext, std::shared_ptr<FsdpCommContext>>(m, "FsdpCommContext")
+  // dynamic_attr: the Python side keeps the asynchronous gradient reduction
+  // in flight on the context (FSDPModule.finalize_backward(async_op=True)),
+  // which every root sharing the context must see.
+  py::class_<FsdpCommContext, std::shared_ptr<FsdpCommContext>>(m, "FsdpCommContext",
+                                                                py::dynamic_attr())
       .def(py::init<>())
       .def_property("max_reduces_in_flight", &FsdpCommContext::max_reduces_in_flight,
                     &FsdpCommContext::set_max_reduces_in_flight,
@@ -178,7 +184,12 @@ void bind_fsdp_runtime(py::module_& m) {
            py::arg("replaces_implicit"))
       .def("prefetch_forward_targets", &FsdpParamGroup::prefetch_forward_targets)
       .def("post_backward", &FsdpParamGroup::post_backward)
-      .def("finish_backward", &FsdpParamGroup::finish_backward, py::arg("is_last_backward"))
+      .def("finish_backward", &FsdpParamGroup::finish_backward, py::arg("is_last_backward"),
+           py::arg("defer_reduction") = false)
+      .def("finalize_backward", &FsdpParamGroup::finalize_backward)
+      .def_property_readonly("post_backward_pending", &FsdpParamGroup::post_backward_pending)
+      .def_property_readonly("has_partial_reduce_output",
+                             &FsdpParamGroup::has_partial_reduce_output)
       .def("prefetch_unshard", &FsdpParamGroup::prefetch_unshard, py::arg("training_state"))
       .def("reset_iter_state", &FsdpParamGroup::reset_iter_state)
       .def("to_sharded", &FsdpParamGroup::to_sharded)
@@ -282,7 +293,8 @@ void bind_fsdp_runtime(py::module_& m) {
       .def("set_states", &fsdp::FsdpStateContext::set_states, py::arg("states"),
            "Every state under the root, in order (held weakly).")
       .def("finish_backward", &fsdp::FsdpStateContext::finish_backward,
-           py::arg("is_last_backward"), "Each state's finish_backward, in order.");
+           py::arg("is_last_backward"), py::arg("defer_reduction") = false,
+           "Each state's finish_backward, in order.");
   py::class_<fsdp::FsdpState, std::shared_ptr<fsdp::FsdpState>>(
       m, "FsdpState", "The hook layer's state of one fully_shard call; its backward hooks.")
       .def(py::init<>())

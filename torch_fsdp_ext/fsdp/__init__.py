@@ -10,6 +10,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from ._module import (
     FSDPModule,
+    GradientReductionHandle,
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
@@ -23,6 +24,7 @@ __all__ = [
     "FSDPEvent",
     "FSDPModule",
     "FullyShardRouting",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ShardedState",

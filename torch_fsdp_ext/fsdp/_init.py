@@ -308,6 +308,24 @@ def validate_params(params, names, info: MeshInfo, post_forward_mesh) -> None:
             )
 
 
+def refuse_per_parameter_dtypes(mp_policy, params, names, module_name: str) -> None:
+    """torch 2.15's dtypes per parameter, which ours does not implement yet
+    (they need all-gathers and reductions of mixed dtypes within a group):
+    refused, so that a job does not train silently with the group's dtypes."""
+    where = f"torch_fsdp_ext.fully_shard({module_name})"
+    if getattr(mp_policy, "param_dtype_override_fn", None) is not None:
+        raise NotImplementedError(
+            f"{where}: MixedPrecisionPolicy.param_dtype_override_fn (a param_dtype per "
+            "parameter) is not supported yet; use one param_dtype for the module, or "
+            "upstream's fully_shard")
+    overridden = [name for param, name in zip(params, names)
+                  if getattr(param, "_has_grad_dtype_override", False)]
+    if overridden:
+        raise NotImplementedError(
+            f"{where}: parameters with an explicit grad_dtype ({', '.join(overridden)}) are not "
+            "supported yet; use MixedPrecisionPolicy.reduce_dtype, or upstream's fully_shard")
+
+
 def move_to_device(params, buffers, device: torch.device) -> None:
     for tensor in list(params) + list(buffers):
         if tensor.device == device or tensor.device.type == "meta":

@@ -16,9 +16,9 @@ from torch.distributed.fsdp import FSDPModule as UpstreamFSDPModule
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 from torch.distributed.utils import _get_root_modules
 
-from .. import _C
+from .. import _C, _compat
 from . import _init
-from ._state import FSDPState, get_fsdp_state
+from ._state import FSDPState, _disabled_method, get_fsdp_state
 from ._trace import TrainingState
 
 _cls_to_fsdp_cls: dict[type, type] = {}
@@ -60,9 +60,10 @@ def fully_shard(
     _init.check_device_backends(info, device, roots[0])
     managed = _init.managed_modules(roots, ignored_params, get_fsdp_state)
     params, buffers = _init.managed_states(managed, ignored_params)
-    _init.move_to_device(params, buffers, device)
     slots = _init.module_slots(params, roots)
     names = [s[0][1] for s in slots]
+    _init.refuse_per_parameter_dtypes(mp_policy, params, names, type(roots[0]).__name__)
+    _init.move_to_device(params, buffers, device)
     # Every parameter's placement and mesh, then one plan per process group
     # (several when shard_placement_fn returns ShardPlacementResults), each
     # checked before the state and hooks exist.
@@ -245,6 +246,52 @@ class FSDPModule(UpstreamFSDPModule):
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         self._get_fsdp_state()._state_ctx.is_last_backward = is_last_backward
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """On the root, before forward: backward passes reduce nothing at
+        their end; the caller's :meth:`finalize_backward` runs the pending
+        reductions and resharding (Note [manual backward finalization] in
+        _state.py). Supersedes :meth:`set_is_last_backward`. The mode cannot
+        change during a backward, nor between a backward and its
+        finalization. As torch 2.15's."""
+        state = self._get_fsdp_state()
+        if state._is_root is False:
+            raise RuntimeError(
+                "set_manual_backward_finalization must be called on the root FSDP module, not "
+                f"on {type(self).__name__}")
+        ctx = state._state_ctx
+        if enabled != ctx.manual_backward_finalization \
+                and torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("set_manual_backward_finalization cannot change mode during backward")
+        active = ctx.manual_backward_finalization_active
+        if active is not None and enabled != active:
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode after backward starts "
+                "(finalize_backward or reset_iter_state ends the backward iteration)")
+        ctx.manual_backward_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False):
+        """Under manual backward finalization, after the backward passes of
+        one step: runs the reductions left pending (gradient sync and
+        resharding follow their current settings) and waits for them; with
+        ``async_op`` returns a :class:`GradientReductionHandle` whose
+        ``wait()`` does the waiting, and forward is refused until it has.
+        A no-op before the root's first forward. As torch 2.15's."""
+        state = self._get_fsdp_state()
+        if state._is_root is None:
+            return _GradientReductionHandleImpl(None, None) if async_op else None
+        reduction = _disabled_method(FSDPState._start_finalize_backward)(state, async_op)
+        return _GradientReductionHandleImpl(state, reduction) if async_op else None
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Resharding keeps the unsharded parameters' storage instead of
+        freeing it, so their data pointers stay the same from step to step
+        (what a captured CUDA graph needs), for the memory they hold. As
+        torch 2.15's."""
+        for m in _fsdp_modules(self, recurse):
+            for group in m._groups():
+                for param in group.params:
+                    param.keep_unsharded_storage = keep
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Off: no reduce-scatter nor all-reduce; gradients accumulate unsharded."""
@@ -598,6 +645,33 @@ def _check_fsdp_modules(modules, what: str = "Expects FSDPModule but got") -> No
         raise ValueError(f"{what} {type(module)}: {module}")
 
 
+if _compat.GradientReductionHandle is not None:
+    GradientReductionHandle = _compat.GradientReductionHandle
+else:
+    class GradientReductionHandle:
+        """What ``FSDPModule.finalize_backward(async_op=True)`` returns (torch
+        2.15's class, defined here for the torch versions before it)."""
+
+        def wait(self) -> None:
+            return
+
+
+class _GradientReductionHandleImpl(GradientReductionHandle):
+    """An asynchronous finalize_backward in flight: wait() completes the
+    reductions and ends the backward iteration, once."""
+
+    def __init__(self, state: Optional[FSDPState], reduction) -> None:
+        self._state = state
+        self._reduction = reduction
+
+    def wait(self) -> None:
+        if self._state is None or self._reduction is None:
+            return
+        state, reduction = self._state, self._reduction
+        _disabled_method(FSDPState._wait_for_gradient_reduction)(state, reduction)
+        self._state = self._reduction = None
+
+
 class _UnshardHandleImpl(UnshardHandle):
     """Returned by ``FSDPModule.unshard(async_op=True)``; a subclass of
     upstream's UnshardHandle, which ours exports as its own."""
@@ -630,5 +704,5 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     setattr(module, method_name, wrapped.__get__(module, type(module)))
 
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
-           "share_comm_ctx", "TrainingState"]
+__all__ = ["fully_shard", "FSDPModule", "GradientReductionHandle", "UnshardHandle",
+           "register_fsdp_forward_method", "share_comm_ctx", "TrainingState"]

@@ -105,6 +105,16 @@ class StateContext:
         # FSDPModule.set_post_optim_event (device meshes): waited on by the
         # all-gather streams at the next root pre-forward, then forgotten.
         self.post_optim_event = None
+        # Manual backward finalization (FSDPModule.set_manual_backward_
+        # finalization, torch 2.15's): the mode the user set, and the mode of
+        # the backward iteration in progress, taken at its first end-of-
+        # backward callback and kept until the iteration is finalized or
+        # reset (None between iterations), so that the mode cannot change
+        # halfway through one.
+        self.manual_backward_finalization = False
+        self.manual_backward_finalization_active: Optional[bool] = None
+        # finalize_backward(async_op=True) returned a handle not yet waited on.
+        self.gradient_reduction_pending = False
 
     @property
     def iter_forward_root(self) -> Optional["FSDPState"]:
@@ -246,10 +256,17 @@ class FSDPState(_State):
         the states below share its contexts, groups learn their names."""
         if self._is_root is not None:
             return
-        self._is_root = True
         if len(self._modules) > 1:
             raise RuntimeError(f"FSDP requires a single root module but got {self._modules}")
         root = self._modules[0]
+        for module in root.modules():
+            state = get_fsdp_state(module)
+            if state is not None and state is not self \
+                    and state._state_ctx.manual_backward_finalization:
+                raise RuntimeError(
+                    "set_manual_backward_finalization must be called on the root FSDP module "
+                    f"({type(root).__name__}), not on {type(module).__name__}")
+        self._is_root = True
         ctx = self._state_ctx
         seen: set = set()
         for name, module in root.named_modules():
@@ -381,6 +398,10 @@ class FSDPState(_State):
     # Forward -----------------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self._state_ctx.gradient_reduction_pending \
+                or _active_gradient_reduction(self._comm_ctx) is not None:
+            raise RuntimeError("The previous gradient reduction must be waited on before forward "
+                               "(GradientReductionHandle.wait())")
         hooks = self._hooks
         if hooks.in_pre_backward:
             # Activation-checkpoint recomputation inside backward: parameters
@@ -467,32 +488,180 @@ class FSDPState(_State):
     def _root_post_backward_final_callback(self) -> None:
         """After autograd finishes: post_backward for groups autograd did not
         reach (the root, whose input needs no grad; unused modules), then
-        complete every reduce-scatter so gradients are ready for the optimizer."""
+        complete every reduce-scatter so gradients are ready for the optimizer.
+        Under manual finalization the groups that would reduce are left
+        pending and nothing is waited for: the caller's finalize_backward
+        does both."""
         ctx = self._state_ctx
         try:
             with _profiler_range("FSDP::root_post_backward_callback"):
                 ctx.iter_forward_root = None
                 for state in ctx.grouped_states:
                     state._modules_to_run_forward.clear()
+                manual = ctx.manual_backward_finalization_active
+                if manual is None:
+                    manual = ctx.manual_backward_finalization_active = \
+                        ctx.manual_backward_finalization
+                finalize = ctx.is_last_backward and not manual
                 # Every state's groups (the last first), then IDLE: one C++ call.
-                ctx.hooks.finish_backward(ctx.is_last_backward)
-                self._comm_ctx.finish_backward(ctx.is_last_backward)
+                ctx.hooks.finish_backward(finalize, manual)
+                if manual:
+                    # A grouped module's partial forward may hold the last
+                    # all-gather output until here: not across microbatches.
+                    self._comm_ctx.release_all_gather_state()
+                else:
+                    self._comm_ctx.finish_backward(finalize)
+                    if finalize:
+                        ctx.manual_backward_finalization_active = None
         finally:
             ctx.hooks.final_callback_done()
+
+    # Note [manual backward finalization]
+    # torch 2.15's pipelining schedules run a stage's microbatch backwards
+    # with gradient sync off, then reduce as an action of their own: sync
+    # on, FSDPModule.finalize_backward(), the optimizer. In that mode (set on
+    # the root before forward) the end-of-backward callback reduces nothing:
+    # a group autograd did not reach is marked post_backward-pending, as is
+    # every group whose post_backward ran without sync. finalize_backward
+    # then runs, for every state and group in reverse (autograd's order),
+    # the pending post_backwards (reduce-scatter, all-reduce) or the
+    # resharding, and ends the backward iteration: every reduction
+    # completed, prefetch and forward-order bookkeeping dropped. With
+    # async_op the end is left to the returned handle's wait(); until then
+    # no forward and no second finalize may start, on this root or on any
+    # root sharing its comm context (share_comm_ctx), which is why the
+    # reduction in flight is kept on the comm context.
+
+    def _start_finalize_backward(self, async_op: bool) -> Optional["GradientReduction"]:
+        """FSDPModule.finalize_backward on the root after its lazy init: the
+        reduction left in flight with async_op (its handle's to end), else None."""
+        if self._state_ctx.gradient_reduction_pending:
+            raise RuntimeError(
+                "The previous gradient reduction must be waited on before finalizing backward "
+                "again")
+        if _active_gradient_reduction(self._comm_ctx) is not None:
+            raise RuntimeError(
+                "Another gradient reduction sharing this communication context must be waited "
+                "on before finalizing backward")
+        if not async_op:
+            self._finalize_backward(wait=True)
+            return None
+        self._validate_finalize_backward()
+        reduction = GradientReduction(self._state_ctx)
+        self._comm_ctx.active_gradient_reduction = reduction
+        try:
+            self._finalize_backward(wait=False)
+        except BaseException:
+            self._comm_ctx.active_gradient_reduction = None
+            raise
+        self._state_ctx.gradient_reduction_pending = True
+        return reduction
+
+    def _finalize_backward(self, wait: bool) -> None:
+        """FSDPModule.finalize_backward's work (Note [manual backward
+        finalization]); with `wait` False the caller ends the iteration."""
+        self._validate_finalize_backward()
+        with _profiler_range("FSDP::finalize_backward"):
+            for state in reversed(self._state_ctx.all_states):
+                for group in reversed(state._fsdp_param_groups):
+                    if group.post_backward_pending:
+                        group.post_backward()
+                    elif group.reshard_after_backward:
+                        group.reshard()
+                    group.training_state = TrainingState.IDLE
+            if wait:
+                self._end_backward_iteration()
+
+    def _validate_finalize_backward(self) -> None:
+        ctx = self._state_ctx
+        if ctx.gradient_reduction_pending:
+            raise RuntimeError(
+                "The previous gradient reduction must be waited on before finalizing backward "
+                "again")
+        if not self._is_root:
+            raise RuntimeError("finalize_backward must be called on the root FSDP module")
+        manual = ctx.manual_backward_finalization_active
+        if manual is None:
+            manual = ctx.manual_backward_finalization
+        if not manual:
+            raise RuntimeError(
+                "FSDP finalize_backward requires manual backward finalization. Call "
+                "set_manual_backward_finalization(True) before forward")
+        if ctx.hooks.final_callback_queued:
+            raise RuntimeError("FSDP finalize_backward must be called after backward completes")
+        groups = [g for state in ctx.all_states for g in state._fsdp_param_groups]
+        partial = next((g for g in groups if g.has_partial_reduce_output), None)
+        if partial is not None:
+            raise RuntimeError(
+                "FSDP manual backward finalization does not support partial gradient "
+                f"reductions for parameter group {partial.module_fqn or '<root>'!r}. Use "
+                "automatic backward finalization for this configuration")
+        no_all_reduce = next(
+            (g for g in groups if g.post_backward_pending and g.reduce_grads
+             and g.replicate_group is not None and not g.all_reduce_grads), None)
+        if no_all_reduce is not None:
+            raise RuntimeError(
+                "FSDP manual backward finalization requires all-reduce for parameter group "
+                f"{no_all_reduce.module_fqn or '<root>'!r}. Call set_requires_all_reduce(True) "
+                "before finalization")
+
+    def _end_backward_iteration(self) -> None:
+        """Every reduction completed (the gradients are ready), then what the
+        iteration kept for prefetching and ordering dropped."""
+        self._comm_ctx.finish_backward(True)
+        for state in self._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                group.finalize_backward()
+        self._comm_ctx.release_all_gather_state()
+        self._state_ctx.manual_backward_finalization_active = None
+
+    def _wait_for_gradient_reduction(self, reduction: "GradientReduction") -> None:
+        """A finalize_backward(async_op=True) handle's wait()."""
+        if _active_gradient_reduction(self._comm_ctx) is not reduction:
+            raise RuntimeError(
+                "This gradient reduction handle was invalidated (reset_iter_state ran since "
+                "finalize_backward)")
+        self._end_backward_iteration()
+        self._state_ctx.gradient_reduction_pending = False
+        self._comm_ctx.active_gradient_reduction = None
 
     def _reset_iter_state(self) -> None:
         if self._is_root is False:
             raise RuntimeError("reset_iter_state() must be called on the root FSDP module")
         ctx = self._state_ctx
+        reduction = _active_gradient_reduction(self._comm_ctx)
+        if reduction is not None and reduction.owner is not ctx:
+            raise RuntimeError(
+                "reset_iter_state cannot reset a gradient reduction owned by another FSDP root "
+                "sharing the communication context")
         self._comm_ctx.drop_reduces()
         for state in ctx.all_states or [self]:
             state._modules_to_run_forward.clear()
             state._training_state = TrainingState.IDLE
             for group in state._fsdp_param_groups:
                 group.reset_iter_state()
+                if _compat.RESET_ITER_STATE_DROPS_SHARDED_GRADS:
+                    for param in group.params:
+                        param.sharded_param.grad = None
         self._comm_ctx.finish_backward(True)
         ctx.iter_forward_root = None
         ctx.hooks.final_callback_done()
+        ctx.manual_backward_finalization_active = None
+        ctx.gradient_reduction_pending = False
+        self._comm_ctx.active_gradient_reduction = None
+
+
+class GradientReduction:
+    """An asynchronous finalize_backward in flight: which root's it is (a
+    root sharing the comm context may not reset it)."""
+
+    def __init__(self, owner: StateContext) -> None:
+        self.owner = owner
+
+
+def _active_gradient_reduction(comm_ctx) -> Optional[GradientReduction]:
+    """The comm context's asynchronous gradient reduction in flight, if any."""
+    return getattr(comm_ctx, "active_gradient_reduction", None)
 
 
 def _reduce_dtype(policy, group) -> Optional[torch.dtype]:

@@ -93,9 +93,9 @@ test: build cpp-test $(VENV)/.test-deps
 	$(PY) -m pytest test -q -p no:cacheprovider
 
 # The other ends of the supported torch range (test/compat_pass.sh): the
-# extension built against PyPI's torch 2.11.0 and 2.14.1 (CUDA builds, no
+# extension built against PyPI's torch 2.11.0 and 2.15.0 (CUDA builds, no
 # toolkit needed), each in a venv and a source copy of its own under
-# build/compat/, running the pytest suite's fast core; 2.14.1 is installed
+# build/compat/, running the pytest suite's fast core; 2.15.0 is installed
 # with pip alone, its UCX from PyPI's libucx wheel. .ci/run runs it after
 # `make test`.
 compat-test: system-deps

@@ -1,4 +1,4 @@
-// The differences between the torch versions we build against (2.11 to 2.14),
+// The differences between the torch versions we build against (2.11 to 2.15),
 // each under the version that brought it, so the rest of the code is written
 // once against the names of the newest torch. Add a difference here, never as
 // a version check at its point of use.

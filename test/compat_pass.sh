@@ -9,8 +9,8 @@
 #           CUDA parts (FSDP_EXT_CUDA=ON where nvcc is on PATH: it compiles
 #           and links them here; test/test_cuda.py then skips, as this machine
 #           has no GPU);
-#   2.14.1  PyPI's CUDA build, installed as a new user without a CUDA toolkit
-#           would: a venv with only torch, `pip install --no-build-isolation .`
+#   2.15.0  PyPI's CUDA build, the newest torch, installed as a new user
+#           without a CUDA toolkit would: a venv with only torch, `pip install --no-build-isolation .`
 #           with the system's UCX ignored (FSDP_EXT_UCX=wheel: UCX then comes
 #           from PyPI's libucx wheel) and no CUDA compiler used
 #           (FSDP_EXT_CUDA=OFF), the source package removed from the copy so
@@ -20,12 +20,10 @@
 # Then each runs the pytest suite's fast core (COMPAT_TESTS). Neither torch
 # needs a GPU or a CUDA toolkit here: the extension is CPU-only.
 #
-#   test/compat_pass.sh [VERSION ...]      (default: 2.11.0 2.14.1)
+#   test/compat_pass.sh [VERSION ...]      (default: 2.11.0 2.15.0)
 #
-# A version from 2.14 on is installed the pip-alone way. torch 2.15.0 builds
-# and passes the collective and error tests, but not yet all of fully_shard's
-# parity with its upstream (new FSDPModule methods; a divide factor under
-# bf16 mixed precision): `test/compat_pass.sh 2.15.0` shows what is left.
+# A version from 2.14 on is installed the pip-alone way (`test/compat_pass.sh
+# 2.14.1` for the one between).
 #
 # The middle of the range, 2.13.0 CPU, is what `make test` runs on. Machines
 # that cap pip's torch (a constraints file, as on our CI machines) get the
@@ -34,14 +32,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PYTHON=${PYTHON:-python3}
-# The drop-in and API surface, training parity with upstream, bad input and
+# The drop-in and API surface, training parity with upstream, the runtime
+# (reset_iter_state, prefetching, ...) against upstream, bad input and
 # errors, the collectives against gloo, the copy kernels (their device
 # implementations on host tensors: this torch's ATen ops), and the CUDA files
 # (collected; they skip without a GPU).
 COMPAT_TESTS=(test/test_drop_in.py test/test_fully_shard_api.py test/test_fully_shard_surface.py
-              test/test_fully_shard_training.py test/test_training.py test/test_errors.py
-              test/test_collectives.py test/test_fsdp_copy_kernels.py test/test_cuda.py
-              test/test_cuda_fsdp.py)
+              test/test_fully_shard_training.py test/test_fully_shard_runtime.py
+              test/test_training.py test/test_errors.py test/test_collectives.py
+              test/test_fsdp_copy_kernels.py test/test_cuda.py test/test_cuda_fsdp.py)
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} UCX_TLS=${UCX_TLS:-self,sm,tcp}
 export UCX_LOG_LEVEL=${UCX_LOG_LEVEL:-error}
 
@@ -107,7 +106,7 @@ pass_pip_alone() {  # a venv with only torch; pip install as a user would, no sy
 }
 
 versions=("$@")
-[ ${#versions[@]} -gt 0 ] || versions=(2.11.0 2.14.1)
+[ ${#versions[@]} -gt 0 ] || versions=(2.11.0 2.15.0)
 for version in "${versions[@]}"; do
   start=$SECONDS
   venv=$ROOT/build/compat/venv-$version
@@ -116,7 +115,7 @@ for version in "${versions[@]}"; do
   make_venv "$version" "$venv"
   copy_tree "$src"
   case $version in
-    2.14.*|2.15.*) pass_pip_alone "$version" "$venv" "$src" ;;
+    2.1[4-9].*) pass_pip_alone "$version" "$venv" "$src" ;;
     *) pass_in_place "$version" "$venv" "$src" ;;
   esac
   echo "== compatibility pass: torch $version passed in $((SECONDS - start)) s"

@@ -18,7 +18,7 @@
 #   FSDP_EXT_UCX_LIBDIR   the directory of libucp.so
 # A UCX from the wheel is not on the loader's path: a program that links it
 # needs that directory in its RPATH (CMake's build-tree RPATH does this for the
-# C++ tests) or the libraries loaded before it (torch_fsdp_ext/_ucx.py does this
+# C++ tests) or the libraries loaded before it (torch_fsdp_ext/_native.py does this
 # for _C, through libucx.load_library()).
 
 set(FSDP_EXT_UCX AUTO CACHE STRING "Which UCX: AUTO (the system's, else PyPI's libucx wheel), SYSTEM, WHEEL")

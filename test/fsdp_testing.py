@@ -74,14 +74,14 @@ UPSTREAM_SINCE = {
     # 'comms'), and a second round of threads in the process then segfaults
     # in DTensor's sharding propagation -- with upstream's fully_shard alone
     # too, our package never imported. 2.12 fixed it.
+    "threaded_process_group_rounds": (
+        (2, 12), "threaded test process group, more than once per process"),
     # FSDPModule.set_manual_backward_finalization / finalize_backward (and
     # GradientReductionHandle), set_keep_unsharded_storage: torch 2.15's,
     # which its pipelining schedules call; ours has them on every torch.
     "manual_backward_finalization": (
         (2, 15), "FSDPModule.finalize_backward and set_manual_backward_finalization"),
     "keep_unsharded_storage": ((2, 15), "FSDPModule.set_keep_unsharded_storage"),
-    "threaded_process_group_rounds": (
-        (2, 12), "threaded test process group, more than once per process"),
 }
 
 

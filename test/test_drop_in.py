@@ -368,15 +368,17 @@ def test_use_as_fully_shard_routes_torch_names_until_undone():
 
 
 # --------------------------------------------------------------------------
-# torch's pipelining, which branches on FSDPModule and reaches FSDP state
-# through upstream's fully_shard.state
+# torch's pipelining, which branches on FSDPModule: before torch 2.15 it
+# reaches FSDP state through upstream's fully_shard.state, from 2.15 on it
+# calls set_manual_backward_finalization and finalize_backward(async_op=True)
 
 
 def check_pipeline_stages(ctx, impl):
     """Two pipeline stages (one per rank), each sharded by ``impl`` over its
     own one-rank data-parallel mesh, trained with GPipe: the schedule turns
     gradient sync off per micro-batch and reduces in its REDUCE_GRAD action
-    through the state it finds with upstream's fully_shard.state."""
+    (through upstream's fully_shard.state before torch 2.15, through manual
+    backward finalization from 2.15 on)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 

@@ -543,10 +543,10 @@ class FSDPState(_State):
             raise RuntimeError(
                 "Another gradient reduction sharing this communication context must be waited "
                 "on before finalizing backward")
+        self._validate_finalize_backward()
         if not async_op:
             self._finalize_backward(wait=True)
             return None
-        self._validate_finalize_backward()
         reduction = GradientReduction(self._state_ctx)
         self._comm_ctx.active_gradient_reduction = reduction
         try:
@@ -559,8 +559,8 @@ class FSDPState(_State):
 
     def _finalize_backward(self, wait: bool) -> None:
         """FSDPModule.finalize_backward's work (Note [manual backward
-        finalization]); with `wait` False the caller ends the iteration."""
-        self._validate_finalize_backward()
+        finalization]), validated; with `wait` False the caller ends the
+        iteration."""
         with _profiler_range("FSDP::finalize_backward"):
             for state in reversed(self._state_ctx.all_states):
                 for group in reversed(state._fsdp_param_groups):
@@ -574,10 +574,6 @@ class FSDPState(_State):
 
     def _validate_finalize_backward(self) -> None:
         ctx = self._state_ctx
-        if ctx.gradient_reduction_pending:
-            raise RuntimeError(
-                "The previous gradient reduction must be waited on before finalizing backward "
-                "again")
         if not self._is_root:
             raise RuntimeError("finalize_backward must be called on the root FSDP module")
         manual = ctx.manual_backward_finalization_active

@@ -13,7 +13,7 @@ export UCX_NET_DEVICES ?= lo
 export UCX_TLS ?= self,sm,tcp
 export UCX_LOG_LEVEL ?= error
 
-.PHONY: setup system-deps cpp-deps cpp-test venv build test compat-test torch-suite demo bench clean
+.PHONY: setup system-deps cpp-deps cpp-test venv build test compat-test torch-suite demo bench bench-report clean
 
 setup: build
 
@@ -114,6 +114,12 @@ bench: build
 	$(PY) benchmarks/collectives.py
 	$(PY) benchmarks/fsdp_step.py
 	$(PY) benchmarks/ddp_step.py
+
+# Rewrites docs/benchmarks.md (and its plots in docs/images/) from one run of
+# the benchmark set (benchmarks/bench_report.py): about 15 minutes on 2 idle
+# cores; root for the two emulated hosts. --quick / --render-only / --sections: see the script.
+bench-report: build
+	$(PY) benchmarks/bench_report.py
 
 clean:
 	rm -rf build torch_fsdp_ext/_C*.so torch_fsdp_ext/_build_info.py torch_fsdp_ext.egg-info

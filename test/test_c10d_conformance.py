@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import torch_fsdp_ext
+from torch_fsdp_ext import _compat
 from conftest import get_pool
 
 CPU = torch.device("cpu")
@@ -146,7 +147,13 @@ def check_profiler_shapes(ctx, group_name):
     }
     seen = {}
     for name, fn in ops.items():
-        events = [e for e in _profiled(fn) if e.name.startswith(group_name + ":")]
+        try:
+            events = [e for e in _profiled(fn) if e.name.startswith(group_name + ":")]
+        except RuntimeError as error:
+            if group_name != "gloo" or "does not support" not in str(error):
+                raise
+            seen[name] = None  # this torch's gloo lacks the op (2.11's alltoall)
+            continue
         seen[name] = [(e.input_shapes, e.input_dtypes if hasattr(e, "input_dtypes") else None)
                       for e in events]
     return seen
@@ -157,6 +164,8 @@ def test_profiler_records_carry_input_shapes_as_gloo_does(pool2):
     gloo = pool2.run(check_profiler_shapes, "gloo")
     for rank in range(2):
         for op, records in gloo[rank].items():
+            if records is None:
+                continue
             assert ours[rank][op] == records, (
                 f"rank {rank} {op}: fsdp_ext {ours[rank][op]} vs gloo {records}")
         # Something is compared: shapes appear at all.
@@ -370,7 +379,10 @@ def test_monitored_barrier_names_missing_ranks(pool):
     results = pool.run(check_monitored_barrier)
     world_size = len(results)
     for rank, (torch_refuses, error, on_gloo) in enumerate(results):
-        assert torch_refuses is not None and "GLOO" in torch_refuses
+        if _compat.MONITORED_BARRIER_TAKES_ANY_CPU_BACKEND:
+            assert torch_refuses is None, torch_refuses  # torch's reached ours, which passed
+        else:
+            assert torch_refuses is not None and "GLOO" in torch_refuses
         assert on_gloo is None
         if world_size == 1 or rank == 1:
             assert error is None
@@ -429,6 +441,15 @@ def test_flight_recorder_dumps_are_read_by_torchs_fr_trace(tmp_path):
         else:
             assert path == prefix + "1"
     pool.kill()
+    import inspect
+
+    from torch.distributed.flight_recorder.components import types as fr_types
+
+    # The libraries fr_trace accepts are a set inside its Op class (torch 2.11's
+    # knows NCCL and XCCL only; 2.13's gloo too): read it where it is written.
+    if '"gloo"' not in inspect.getsource(fr_types.Op):
+        pytest.skip(f"the dumps are checked above; torch {torch.__version__}'s fr_trace reads "
+                    "only NCCL and XCCL entries, not gloo's")
     analysis = subprocess.run(
         [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(tmp_path),
          "--prefix", "fsdp_ext_trace_"],

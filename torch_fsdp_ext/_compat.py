@@ -31,6 +31,11 @@ UNSET_REDUCE_DTYPE_IS_ORIGINAL_DTYPE = TORCH_VERSION >= (2, 15)
 # (the failed iteration's), where 2.11-2.14 keep them.
 RESET_ITER_STATE_DROPS_SHARDED_GRADS = TORCH_VERSION >= (2, 15)
 
+# torch 2.15: dist.monitored_barrier takes any group with a CPU backend (and
+# so reaches fsdp_ext's monitoredBarrier); 2.11-2.14 refuse every backend
+# not named gloo, where torch_fsdp_ext.monitored_barrier is the way in.
+MONITORED_BARRIER_TAKES_ANY_CPU_BACKEND = TORCH_VERSION >= (2, 15)
+
 # torch 2.15: FSDPModule.finalize_backward(async_op=True) returns one of
 # these (exported by torch.distributed.fsdp); None before. Our handle is a
 # subclass of it where it exists (FSDPModule.finalize_backward is ours on

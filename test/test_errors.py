@@ -324,6 +324,28 @@ def check_bad_environment(ctx, variable, value):
     return str(info.value)
 
 
+def check_package_variables_the_backend_does_not_read(ctx):
+    """fully_shard's FSDP_EXT_FSDP_STREAMS and the build's FSDP_EXT_UCX and
+    FSDP_EXT_CUDA (left exported by a shell that built the package) are not
+    typos: a group is created with them set."""
+    names = ("FSDP_EXT_FSDP_STREAMS", "FSDP_EXT_UCX", "FSDP_EXT_CUDA")
+    for name, value in zip(names, ("0", "wheel", "OFF")):
+        os.environ[name] = value  # the harness restores the environment
+    try:
+        group = dist.new_group()
+        t = torch.ones(2)
+        dist.all_reduce(t, group=group)
+    finally:
+        for name in names:
+            del os.environ[name]
+    return t.tolist()
+
+
+def test_package_variables_are_not_refused(pool2):
+    for result in pool2.run(check_package_variables_the_backend_does_not_read):
+        assert result == [2.0, 2.0], result
+
+
 @pytest.mark.parametrize("variable,value,expected", [
     ("FSDP_EXT_ALLGATHER_ALGO", "rign", "FSDP_EXT_ALLGATHER_ALGO='rign' is not valid; expected "
      "auto, direct, ring or shm"),

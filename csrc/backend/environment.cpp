@@ -22,11 +22,24 @@ constexpr std::array<const char*, 6> kBackendVariables = {
     "FSDP_EXT_SPIN_US", "FSDP_EXT_WAIT_SPIN_US", "FSDP_EXT_SHARED_MEMORY",
     "FSDP_EXT_PROCESS_READS", "FSDP_EXT_SMALL_OPS", "FSDP_EXT_CUDA_PATH"};
 
+// The package's variables that the backend does not read but must not take
+// for typos: fully_shard's, and the build's (setup.py), which a shell that
+// built the package may still export.
+constexpr std::array<const char*, 3> kOtherPackageVariables = {
+    "FSDP_EXT_FSDP_STREAMS", "FSDP_EXT_UCX", "FSDP_EXT_CUDA"};
+
 // Calls `visit` with every variable the backend reads.
 template <typename Visit>
 void for_each_known_variable(Visit visit) {
   for (const char* name : kBackendVariables) visit(name);
   for (const char* name : comm::kForcedAlgorithmVariables) visit(name);
+}
+
+bool is_package_variable(const std::string& name) {
+  bool known = false;
+  for_each_known_variable([&](const char* candidate) { known = known || name == candidate; });
+  for (const char* candidate : kOtherPackageVariables) known = known || name == candidate;
+  return known;
 }
 
 std::string known_list() {
@@ -80,9 +93,7 @@ BackendEnvironment read_environment(const std::string& where) {
     std::string_view assignment(*entry);
     if (assignment.rfind("FSDP_EXT_", 0) != 0) continue;
     const std::string name(assignment.substr(0, assignment.find('=')));
-    bool known = false;
-    for_each_known_variable([&](const char* candidate) { known = known || name == candidate; });
-    TORCH_CHECK_VALUE(known, where, "unknown variable ", name, " in the environment; the "
+    TORCH_CHECK_VALUE(is_package_variable(name), where, "unknown variable ", name, " in the environment; the "
                       "backend reads ", known_list());
   }
   for (const char* variable : comm::kForcedAlgorithmVariables) {

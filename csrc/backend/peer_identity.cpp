@@ -51,7 +51,28 @@ std::string this_host() {
   gethostname(name, sizeof(name) - 1);
   std::string boot_id;
   std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
-  return std::string(name) + "/" + boot_id;
+  // The PID namespace too: two containers of one machine may share a
+  // hostname (Kubernetes pods on the host's network, `docker --uts=host`)
+  // and not their PIDs. A peer's pid names nothing here then (or, worse,
+  // another process), so it cannot be watched through a pidfd, its memory
+  // read or its shared segments opened through /proc/<pid>/fd: such peers
+  // are on another host to us (watched over TCP, data through UCX).
+  char pid_namespace[64] = {};
+  if (readlink("/proc/self/ns/pid", pid_namespace, sizeof(pid_namespace) - 1) < 0) {
+    pid_namespace[0] = '\0';  // no /proc: the machine alone decides
+  }
+  return std::string(name) + "/" + boot_id + "/" + pid_namespace;
+}
+
+std::string host_name_of(const std::string& host) { return host.substr(0, host.find('/')); }
+
+std::string describe_host(const std::string& host, const std::string& mine) {
+  std::string text = host_name_of(host);
+  if (host != mine && text == host_name_of(mine)) {
+    const bool same_machine = host.substr(0, host.rfind('/')) == mine.substr(0, mine.rfind('/'));
+    text += same_machine ? " (another PID namespace)" : " (another machine of that name)";
+  }
+  return text;
 }
 
 std::vector<uint8_t> serialize(const PeerIdentity& identity) {

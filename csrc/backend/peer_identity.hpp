@@ -15,7 +15,9 @@ namespace fsdp_ext::backend {
 
 struct PeerIdentity {
   std::vector<uint8_t> worker_address;
-  std::string host;  // hostname and kernel boot id: equal only on one machine
+  // this_host(): hostname, kernel boot id and PID namespace; equal only
+  // where pids name the same processes.
+  std::string host;
   pid_t pid = 0;
   comm::SharedPiece probe;
   // Address of a known value in this process, for peers to test
@@ -35,6 +37,11 @@ struct PeerIdentity {
 extern const uint64_t kProcessReadProbeValue;
 
 std::string this_host();
+// The hostname in a this_host() value.
+std::string host_name_of(const std::string& host);
+// `host` for messages, as seen from `mine`: its hostname, and what tells it
+// apart where the two hostnames are the same.
+std::string describe_host(const std::string& host, const std::string& mine);
 std::vector<uint8_t> serialize(const PeerIdentity& identity);
 // Throws std::runtime_error on a malformed blob.
 PeerIdentity deserialize_peer_identity(const std::vector<uint8_t>& blob);

@@ -22,7 +22,7 @@ namespace {
 // What each rank says of itself at the first CUDA op: fixed-size, so the
 // host exchange can gather it.
 struct CudaIdentity {
-  std::array<char, 160> host{};  // this_host(): hostname and boot id
+  std::array<char, 160> host{};  // this_host(): hostname, boot id, PID namespace
   std::array<char, 16> gpu{};    // the GPU's UUID
   std::array<char, 8> choice{};  // FSDP_EXT_CUDA_PATH
   int32_t device = -1;

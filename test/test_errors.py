@@ -3,6 +3,7 @@ a missing peer becomes a timeout error; shutdown and exit are clean."""
 
 import datetime
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -451,3 +452,85 @@ def test_device_mesh_checks_name_the_module_group_and_parameters(pool2):
         assert "('cpu:gloo'" in messages["backend"], messages
         assert "the mesh is on cuda:0, but these parameters are elsewhere" in messages["params"]
         assert "('0.weight', 'cpu')" in messages["params"], messages
+
+
+PID_NAMESPACE_SCRIPT = textwrap.dedent("""
+    import datetime, os, time, torch, torch.distributed as dist
+    import torch_fsdp_ext
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("fsdp_ext", timeout=datetime.timedelta(seconds=60))
+    t = torch.ones(3)
+    for _ in range(20):
+        dist.all_reduce(t)
+    assert t.tolist() == [2.0 ** 20] * 3, t
+    if rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        while True:
+            dist.all_reduce(t)
+    except dist.DistBackendError as error:
+        print(f"ERROR after {time.monotonic() - start:.2f}s: {error}", flush=True)
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                    reason="needs root and unshare(1) to start a rank in a PID namespace of its own")
+def test_peer_in_another_pid_namespace_is_another_host(tmp_path):
+    """Containers of one machine may share a hostname and not their PIDs
+    (pods on the host's network). A peer's pid means nothing there: the
+    group treats such a peer as on another host (no /proc/<pid> access to
+    it, watched over TCP), says so in its log line, and still reports the
+    peer's death within seconds rather than at the 60 s timeout."""
+    script = tmp_path / "pid_namespace.py"
+    script.write_text(PID_NAMESPACE_SCRIPT)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 1000),
+               WORLD_SIZE="2", UCX_NET_DEVICES="lo", UCX_TLS="self,sm,tcp", UCX_LOG_LEVEL="error",
+               TORCH_CPP_LOG_LEVEL="INFO")
+    commands = [[sys.executable, str(script)],
+                ["unshare", "--pid", "--fork", "--kill-child", sys.executable, str(script)]]
+    procs = [subprocess.Popen(command, env=dict(env, RANK=str(rank)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for rank, command in enumerate(commands)]
+    try:
+        out0, err0 = procs[0].communicate(timeout=90)
+        _, err1 = procs[1].communicate(timeout=10)
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert procs[0].returncode == 0 and procs[1].returncode == 3, (err0[-2000:], err1[-2000:])
+    for rank, err in enumerate((err0, err1)):
+        line = next(line for line in err.splitlines() if "fsdp_ext group '0'" in line)
+        assert (f"rank {rank}/2, 2 hosts on 1 machine (separate PID namespaces count as hosts), "
+                "shared memory off (one rank per host)") in line, line
+    error = out0.strip().splitlines()[-1]
+    assert float(error.split("ERROR after ")[1].split("s:")[0]) < 10, error
+    assert "rank 1 (host " in error and "(another PID namespace)" in error, error
+    assert "is gone" in error, error
+
+
+def check_group_created_by_one_rank_only(ctx):
+    """Rank 0 creates an fsdp_ext group (timeout 2 s) that rank 1 never
+    creates: rank 0 gets an error of the group's creation, within about the
+    group's timeout, that names the rank that did not come (not a store key)."""
+    from torch_fsdp_ext import _C
+
+    outcome = None
+    if ctx.rank == 0:
+        store = dist.PrefixStore("lonely_group/", dist.distributed_c10d._get_default_store())
+        start = time.monotonic()
+        try:
+            _C.FsdpExtBackend(store, 0, 2, datetime.timedelta(seconds=2), "lonely", None, [0, 1])
+            outcome = ("created", None, time.monotonic() - start)
+        except Exception as error:  # the test asserts the type
+            outcome = (type(error).__name__, str(error), time.monotonic() - start)
+    dist.barrier(group=ctx.gloo_group)
+    return outcome
+
+
+def test_group_created_by_one_rank_only_names_the_missing_rank(pool2):
+    kind, message, seconds = pool2.run(check_group_created_by_one_rank_only)[0]
+    assert kind == "DistBackendError", (kind, message)
+    assert "group 'lonely'" in message and "rank 0/2" in message, message
+    assert "rank 1 did not create this group within the timeout" in message, message
+    assert 1.5 < seconds < 20, (seconds, message)

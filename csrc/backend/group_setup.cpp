@@ -68,8 +68,8 @@ std::string why_no_process_reads(const std::vector<PeerIdentity>& peers, int ran
   return "";
 }
 
-// Which ranks share a host (hostname and boot id), hosts in order of their
-// lowest rank.
+// Which ranks share a host (this_host(): machine and PID namespace), hosts
+// in order of their lowest rank.
 comm::HostTopology host_topology(const std::vector<PeerIdentity>& peers, int rank) {
   comm::HostTopology topology;
   std::vector<std::string> names;
@@ -193,7 +193,8 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
                     "group size ", size, " is out of range");
   const BackendEnvironment environment = read_environment(init_label.prefix());
   cuda_path_choice_ = environment.cuda_path;
-  std::string no_shared_memory, no_process_reads, no_small_ops, unwatched_peers, layout, cores;
+  std::string no_shared_memory, no_process_reads, no_small_ops, unwatched_peers, layout, cores,
+      hosts_detail;
   size_t hosts = 0;
   // [0]: every peer's shared memory maps; [1]: process_vm_readv works too;
   // [2]: the small-op channel is connected.
@@ -215,7 +216,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     mine.small_ops_fd = small_ops_ ? small_ops_->fd() : -1;
     std::vector<PeerIdentity> peers;
     std::vector<std::vector<uint8_t>> addresses;
-    for (const auto& blob : exchange_addresses(*store, rank, size, serialize(mine))) {
+    for (const auto& blob : exchange_addresses(*store, rank, size, serialize(mine), default_timeout_)) {
       peers.push_back(deserialize_peer_identity(blob));
       addresses.push_back(peers.back().worker_address);
     }
@@ -234,6 +235,13 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
       no_process_reads = "no shared memory";
     }
     hosts = topology.hosts.size();
+    std::set<std::string> machines;
+    for (const PeerIdentity& peer : peers) machines.insert(peer.host.substr(0, peer.host.rfind('/')));
+    if (machines.size() < hosts) {
+      hosts_detail = " on " + std::to_string(machines.size()) +
+                     (machines.size() == 1 ? " machine" : " machines") +
+                     " (separate PID namespaces count as hosts)";
+    }
     cores = describe_cores(topology.hosts[topology.host].size());
     no_small_ops =
         why_no_small_ops(small_ops_.get(), peers, hosts, no_shared_memory, environment);
@@ -276,9 +284,9 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
                              : std::string();
     };
     for (const PeerIdentity& peer : peers) {
-      // Same host (hostname and boot id): the pid names the peer's process
-      // here too, so the engine can watch it exit through a pidfd.
-      config.peers.push_back(comm::PeerInfo{peer.host.substr(0, peer.host.find('/')), peer.pid,
+      // Same host (this_host(): machine and PID namespace): the pid names the
+      // peer's process here too, so the engine can watch it exit through a pidfd.
+      config.peers.push_back(comm::PeerInfo{describe_host(peer.host, peers[rank].host), peer.pid,
                                             peer.host == peers[rank].host});
     }
     engine_ = std::make_unique<comm::ProgressEngine>(std::move(config), std::move(transport));
@@ -288,6 +296,11 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     C10_THROW_ERROR(DistBackendError, init_label.prefix() + error.what());
   } catch (const std::runtime_error& error) {
     C10_THROW_ERROR(DistBackendError, init_label.prefix() + error.what());
+  } catch (const c10::DistError& error) {
+    // The c10d store failed under us (its server gone, a network error):
+    // still an error of this group's creation, named as such.
+    C10_THROW_ERROR(DistBackendError, init_label.prefix() + "the c10d store failed: " +
+                                          error.what_without_backtrace());
   }
   // Find a missing peer at init (within the timeout) rather than at the
   // first collective, and agree on shared memory: on only if every rank
@@ -320,7 +333,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
                                            : local_reason) + ")";
   };
   LOG(INFO) << "fsdp_ext group '" << group_name_ << "': rank " << rank << "/" << size << ", "
-            << hosts << (hosts == 1 ? " host" : " hosts") << ", shared memory "
+            << hosts << (hosts == 1 ? " host" : " hosts") << hosts_detail << ", shared memory "
             << state((*shared_ok)[0] == 1, no_shared_memory) << ", process reads "
             << state((*shared_ok)[1] == 1, no_process_reads) << ", small-op channel "
             << state(small_ops_enabled_, no_small_ops) << ((*shared_ok)[0] == 1 ? layout : "")

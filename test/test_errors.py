@@ -115,6 +115,10 @@ def check_timeout(ctx, numel):
     Rank 0 checks what it saw only after both ranks are past the broken group,
     so a failed check is reported rather than leaving rank 1 waiting."""
     group = dist.new_group(timeout=datetime.timedelta(seconds=3))
+    # Three small ops both ranks run (on the small-op channel where the group
+    # has one): what rank 1 was last doing is the third of them.
+    for _ in range(3):
+        dist.all_reduce(torch.ones(3), group=group)
     message = refusal = elapsed = None
     if ctx.rank == 0:
         start = datetime.datetime.now()
@@ -139,7 +143,7 @@ def check_timeout(ctx, numel):
         assert "timed out" in message and "rank 1" in message and "all_reduce" in message, message
         # What the missing peer was doing, read from the store, not from it.
         assert "Peers not in this op: rank 1 (host " in message, message
-        assert "not in any collective (the last one it began: " in message, message
+        assert "not in any collective (the last one it began: all_reduce op #4)" in message, message
         assert 2.5 <= elapsed < 20, elapsed
         assert refusal is not None and "unusable" in refusal, refusal
     return message

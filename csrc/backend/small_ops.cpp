@@ -67,7 +67,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::run_small(
     op.on_done = [work](const comm::OpOutcome& outcome) { work->complete(outcome); };
     return op;
   };
-  comm::ProgressEngine::Turn turn = engine_->try_take_turn();
+  comm::ProgressEngine::Turn turn = engine_->try_take_turn(label.op);
   if (!turn) {
     small_queued_.fetch_add(1, std::memory_order_relaxed);
     engine_->submit(engine_op([channel = small_ops_, start = std::move(start),

@@ -135,21 +135,35 @@ void ProgressEngine::abort(const std::string& reason) {
   shutdown();
 }
 
-ProgressEngine::Turn ProgressEngine::try_take_turn() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (turn_taken_ || op_running_ || !queue_.empty() || stop_requested_ ||
-      !broken_reason_.empty() || aborting_.load(std::memory_order_relaxed)) {
-    return Turn();
+ProgressEngine::Turn ProgressEngine::try_take_turn(const char* op) {
+  uint64_t seq = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (turn_taken_ || op_running_ || !queue_.empty() || stop_requested_ ||
+        !broken_reason_.empty() || aborting_.load(std::memory_order_relaxed)) {
+      return Turn();
+    }
+    turn_taken_ = true;
+    // Nothing runs on the progress thread now, so the sequence number is
+    // this turn's to take.
+    seq = next_seq_++;
   }
-  turn_taken_ = true;
-  // Nothing runs on the progress thread now, so the sequence number is
-  // this turn's to take.
-  return Turn(this, next_seq_++);
+  std::lock_guard<std::mutex> lock(activity_mutex_);
+  activity_.in_collective = true;
+  activity_.seq = seq;
+  activity_.op = op;
+  return Turn(this, seq);
 }
 
 void ProgressEngine::Turn::release(EngineOp* rest) {
   if (engine_ == nullptr) return;
   ProgressEngine& engine = *std::exchange(engine_, nullptr);
+  {
+    // Handed over, the rest marks itself running again when the engine
+    // starts it (run_op), under the same number.
+    std::lock_guard<std::mutex> lock(engine.activity_mutex_);
+    engine.activity_.in_collective = false;
+  }
   bool nudge = false;
   {
     std::lock_guard<std::mutex> lock(engine.mutex_);

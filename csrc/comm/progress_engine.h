@@ -180,8 +180,10 @@ class ProgressEngine {
     uint64_t seq_ = 0;
   };
   // Any thread. An empty Turn when the engine is busy, stopping or broken
-  // (then submit the op as usual: that path reports a broken group).
-  Turn try_take_turn();
+  // (then submit the op as usual: that path reports a broken group). While
+  // the turn is held, activity() reports collective `op` as running, as it
+  // does for ops the engine runs (a timed-out peer's message reads it).
+  Turn try_take_turn(const char* op = "collective");
 
   ProgressEngine(EngineConfig config, std::unique_ptr<Transport> transport);
   ~ProgressEngine();

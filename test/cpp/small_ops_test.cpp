@@ -367,9 +367,14 @@ TEST(SmallOpsWaiting, APeerRunningTheOpOverUcxIsAMismatchNotATimeout) {
 TEST(EngineTurn, TakenOnlyWhileTheEngineIsIdleAndHoldsBackQueuedOps) {
   testing::LoopbackGroup group(1);
   ProgressEngine& engine = group.engine(0);
-  ProgressEngine::Turn turn = engine.try_take_turn();
+  ProgressEngine::Turn turn = engine.try_take_turn("all_reduce");
   ASSERT_TRUE(turn);
   const uint64_t seq = turn.seq();
+  // What peers are told of this rank while it runs the op itself.
+  EngineActivity activity = engine.activity();
+  EXPECT_TRUE(activity.in_collective);
+  EXPECT_EQ(activity.seq, seq);
+  EXPECT_EQ(activity.op, "all_reduce");
   EXPECT_FALSE(engine.try_take_turn()) << "a second turn while one is held";
   std::atomic<bool> ran{false};
   auto queued = group.submit(0, "queued", [&](int, OpContext& context) {
@@ -382,6 +387,9 @@ TEST(EngineTurn, TakenOnlyWhileTheEngineIsIdleAndHoldsBackQueuedOps) {
   turn.end();
   EXPECT_TRUE(testing::LoopbackGroup::await(queued, 10000ms).ok);
   EXPECT_TRUE(ran);
+  activity = engine.activity();
+  EXPECT_FALSE(activity.in_collective);
+  EXPECT_EQ(activity.seq, seq + 1) << "the last op begun: the queued one";
   // The op's outcome is delivered just before the engine marks itself idle.
   bool granted = false;
   for (auto until = Clock::now() + 5s; !granted && Clock::now() < until;) {

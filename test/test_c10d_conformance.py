@@ -216,6 +216,7 @@ def test_sparse_allreduce_matches_gloo_bitwise(pool2):
         assert any(nnz > 0 for *_, nnz in results)
         assert len(errors) == 1 and "fsdp_ext all_reduce" in errors[0]
         assert f"rank {rank}/2" in errors[0] and "ReduceOp.SUM" in errors[0]
+        assert errors[0].endswith("got ReduceOp.MAX"), errors[0]
 
 
 def check_sparse_shape_mismatch(ctx):

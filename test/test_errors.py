@@ -538,3 +538,26 @@ def test_group_created_by_one_rank_only_names_the_missing_rank(pool2):
     assert "group 'lonely'" in message and "rank 0/2" in message, message
     assert "rank 1 did not create this group within the timeout" in message, message
     assert 1.5 < seconds < 20, (seconds, message)
+
+
+def check_recv_timeout(ctx):
+    """Rank 0 waits for a message rank 1 never sends: the timeout names the
+    peer (rank, host, pid) and the receive's size."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=2))
+    message = None
+    if ctx.rank == 0:
+        try:
+            dist.recv(torch.empty(8), src=1, group=group)
+        except dist.DistBackendError as error:
+            message = str(error)
+    dist.barrier(group=ctx.gloo_group)
+    dist.destroy_process_group(group)
+    return message
+
+
+def test_recv_timeout_names_the_peer(pool2):
+    message = pool2.run(check_recv_timeout)[0]
+    assert message is not None, "recv returned although rank 1 never sent"
+    assert "fsdp_ext recv" in message and "rank 0/2" in message, message
+    assert "timed out after 2000 ms; rank 1 (host " in message, message
+    assert "sent nothing to this receive of 32 bytes (no matching send there)" in message, message

@@ -16,6 +16,7 @@
 
 #include "backend/fsdp_ext_backend.hpp"
 #include "backend/tensor_validation.hpp"
+#include "backend/type_mapping.hpp"
 #include "comm/error.h"
 
 namespace fsdp_ext::backend {
@@ -64,7 +65,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::allreduce_sparse(
                     tensor.device());
   TORCH_CHECK_VALUE(opts.reduceOp == c10d::ReduceOp::SUM, l.prefix(),
                     "sparse tensors can only be summed (ReduceOp.SUM), got ",
-                    static_cast<int>(opts.reduceOp.op_));
+                    reduce_op_name(opts.reduceOp));
   TORCH_CHECK_VALUE(tensor.dim() <= kMaxSparseDims, l.prefix(), "the sparse tensor has ",
                     tensor.dim(), " dimensions; at most ", kMaxSparseDims, " are supported");
   const at::Tensor input = tensor.coalesce();

@@ -42,6 +42,21 @@ comm::DataType reduction_dtype(const OpLabel& label, at::ScalarType type) {
   }
 }
 
+std::string reduce_op_name(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return "ReduceOp.SUM";
+    case c10d::ReduceOp::AVG: return "ReduceOp.AVG";
+    case c10d::ReduceOp::PRODUCT: return "ReduceOp.PRODUCT";
+    case c10d::ReduceOp::MIN: return "ReduceOp.MIN";
+    case c10d::ReduceOp::MAX: return "ReduceOp.MAX";
+    case c10d::ReduceOp::BAND: return "ReduceOp.BAND";
+    case c10d::ReduceOp::BOR: return "ReduceOp.BOR";
+    case c10d::ReduceOp::BXOR: return "ReduceOp.BXOR";
+    case c10d::ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
+    default: return "ReduceOp value " + std::to_string(static_cast<int>(op.op_));
+  }
+}
+
 comm::ReduceSpec reduce_spec(const OpLabel& label, const c10d::ReduceOp& op,
                              at::ScalarType type, int group_size) {
   comm::ReduceSpec spec;
@@ -78,8 +93,7 @@ comm::ReduceSpec reduce_spec(const OpLabel& label, const c10d::ReduceOp& op,
       break;
     }
     default:
-      TORCH_CHECK_VALUE(false, label.prefix(), "unsupported reduce op ",
-                        static_cast<int>(op.op_));
+      TORCH_CHECK_VALUE(false, label.prefix(), "unsupported reduce op ", reduce_op_name(op));
   }
   TORCH_CHECK_TYPE(comm::is_reduction_supported(spec.type, spec.kind), label.prefix(),
                    "ReduceOp.", comm::reduce_kind_name(spec.kind), " is not defined for dtype ",

@@ -12,6 +12,9 @@ namespace fsdp_ext::backend {
 // "torch.float32" rather than c10's "Float": the name users write.
 std::string dtype_name(at::ScalarType type);
 
+// "ReduceOp.SUM": the name users write (torch.distributed.ReduceOp's).
+std::string reduce_op_name(const c10d::ReduceOp& op);
+
 // The element type for a reduction; rejects dtypes the kernels do not cover.
 comm::DataType reduction_dtype(const OpLabel& label, at::ScalarType type);
 

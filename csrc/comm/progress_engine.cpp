@@ -228,6 +228,24 @@ std::string ProgressEngine::describe_peer(int rank) const {
   return text + ")";
 }
 
+std::string ProgressEngine::describe_unmatched(const std::vector<Request>& requests) const {
+  std::string text;
+  for (const Request& request : requests) {
+    if (request.finished) continue;
+    text += text.empty() ? "" : "; ";
+    if (!request.is_recv) {
+      text += "the send of " + std::to_string(request.bytes) + " bytes to " +
+              describe_peer(request.peer) + " was not received (no matching recv there)";
+    } else if (request.peer < 0) {
+      text += "no rank sent to this receive of " + std::to_string(request.bytes) + " bytes";
+    } else {
+      text += describe_peer(request.peer) + " sent nothing to this receive of " +
+              std::to_string(request.bytes) + " bytes (no matching send there)";
+    }
+  }
+  return text.empty() ? std::string("waiting for the peer") : text;
+}
+
 std::string ProgressEngine::explain_timeout() const {
   return config_.explain_timeout ? config_.explain_timeout(activity()) : std::string();
 }
@@ -462,8 +480,9 @@ bool ProgressEngine::poll_in_flight(bool cancel_all) {
       } else {
         outcome.kind = ErrorKind::kTimeout;
         outcome.message = entry.description + ": timed out after " +
-                          std::to_string(entry.op.timeout.count()) +
-                          " ms waiting for the peer";
+                          std::to_string(entry.op.timeout.count()) + " ms; " +
+                          describe_unmatched(entry.requests) +
+                          " (set the timeout with init_process_group(timeout=...))";
       }
       orphan_unfinished(entry.requests, entry.op.keepalive, false);
     } else {

@@ -219,6 +219,9 @@ class ProgressEngine {
   EngineActivity activity() const;
   // "rank 3 (host h, pid 12)": how errors name a peer.
   std::string describe_peer(int rank) const;
+  // The unfinished ones among a point-to-point op's requests, each with its
+  // peer and size: what a timed-out send or recv was waiting for.
+  std::string describe_unmatched(const std::vector<Request>& requests) const;
   // What the other ranks were doing while this rank's running collective
   // waited for them (EngineConfig::explain_timeout; "" without one).
   std::string explain_timeout() const;

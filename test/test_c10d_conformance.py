@@ -422,6 +422,24 @@ def check_flight_recorder(ctx):
     return entries, recorded["version"], list(recorded["pg_config"].values()), error, path
 
 
+def check_dump_to_a_missing_directory(ctx):
+    dist.all_reduce(torch.ones(3))
+    with pytest.raises(RuntimeError) as info:
+        torch_fsdp_ext.dump_flight_recorder()
+    return str(info.value)
+
+
+def test_flight_recorder_dump_that_cannot_be_written_is_an_error(tmp_path):
+    """torch's writer only logs a file it cannot open; the dump on request
+    says so instead of returning a path where nothing is."""
+    prefix = str(tmp_path / "no_such_directory" / "trace_")
+    pool = get_pool(1, TORCH_FR_BUFFER_SIZE="100", TORCH_FR_DUMP_TEMP_FILE=prefix)
+    message = pool.run(check_dump_to_a_missing_directory)[0]
+    pool.kill()
+    assert message.startswith("torch_fsdp_ext.dump_flight_recorder (rank 0): "), message
+    assert f"could not be written to {prefix}0" in message, message
+
+
 def test_flight_recorder_dumps_are_read_by_torchs_fr_trace(tmp_path):
     import subprocess
     import sys

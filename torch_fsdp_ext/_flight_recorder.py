@@ -38,4 +38,7 @@ def dump_flight_recorder(write: bool = True, only_active: bool = False):
     if not write:
         return pickle.loads(_C._flight_recorder_dump(only_active))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return _C._flight_recorder_write(rank)
+    try:
+        return _C._flight_recorder_write(rank)
+    except RuntimeError as error:
+        raise RuntimeError(f"torch_fsdp_ext.dump_flight_recorder (rank {rank}): {error}") from None

@@ -20,7 +20,9 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) ->
 
     Args:
         group: the process group (default: the default group).
-        timeout: a ``timedelta`` (default: the group's timeout).
+        timeout: a ``timedelta``; by default torch's default for the backend
+            (30 minutes), as ``dist.monitored_barrier`` takes it, not the
+            group's own timeout.
         wait_all_ranks: rank 0 checks every rank and names all that are
             missing, instead of stopping at the first.
     """

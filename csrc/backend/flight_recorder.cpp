@@ -4,8 +4,14 @@
 #include <ATen/core/List.h>
 #include <ATen/core/ivalue.h>
 #include <c10/core/ScalarType.h>
+#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/FlightRecorder.hpp>
 #include <torch/csrc/jit/serialization/pickle.h>
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <stdexcept>
+#include <typeinfo>
 
 #include <cstdlib>
 #include <cstring>
@@ -194,13 +200,34 @@ std::string FlightRecorder::dump(bool only_active) const {
 std::string FlightRecorder::write_dump(int global_rank) {
   if (!enabled()) return "";
   c10d::DebugInfoWriter& writer = c10d::DebugInfoWriter::getWriter(global_rank);
-  writer.write(dump(/*only_active=*/false));
-  return writer.getWriterTarget();
+  const std::string target = writer.getWriterTarget();
+  const std::string bytes = dump(/*only_active=*/false);
+  // torch's own writer logs a file it cannot open or write and returns as
+  // if it had written it; a user then looks for a dump that is not there.
+  // Its target is a plain file: remove the previous dump first, so that
+  // what is there afterwards is this one or nothing. A writer registered by
+  // someone else (DebugInfoWriter::registerWriter) is taken at its word.
+  const bool torchs_writer = typeid(writer) == typeid(c10d::DebugInfoWriter);
+  if (torchs_writer) std::remove(target.c_str());
+  writer.write(bytes);
+  struct stat written {};
+  if (torchs_writer && (stat(target.c_str(), &written) != 0 ||
+                        static_cast<size_t>(written.st_size) != bytes.size())) {
+    throw std::runtime_error(
+        "the Flight Recorder dump could not be written to " + target +
+        " (check that TORCH_FR_DUMP_TEMP_FILE names a writable directory and prefix)");
+  }
+  return target;
 }
 
 std::string FlightRecorder::write_dump_on_failure(int global_rank) {
   if (!enabled() || dumped_on_failure_.exchange(true)) return "";
-  return write_dump(global_rank);
+  try {
+    return write_dump(global_rank);
+  } catch (const std::exception& error) {
+    LOG(ERROR) << "fsdp_ext: " << error.what();
+    return "";
+  }
 }
 
 }  // namespace fsdp_ext::backend

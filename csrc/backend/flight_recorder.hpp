@@ -61,8 +61,11 @@ class FlightRecorder {
   std::string dump(bool only_active) const;
   // Writes the dump through torch's DebugInfoWriter for `global_rank` (its
   // TORCH_FR_DUMP_TEMP_FILE naming), at most once per process for failures.
-  // Returns where it went ("" when it did not write).
+  // Returns where it went ("" when the recorder is off); throws
+  // std::runtime_error when torch's writer could not write the file.
   std::string write_dump(int global_rank);
+  // The same, once per process, for a failed op: never throws (a dump it
+  // could not write is logged, and "" returned).
   std::string write_dump_on_failure(int global_rank);
 
  private:

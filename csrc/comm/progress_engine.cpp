@@ -402,7 +402,11 @@ void ProgressEngine::run_op(EngineOp& op) {
     op.body(context);
   } catch (const CommError& error) {
     failure.kind = error.kind();
-    failure.message = error.what();
+    // Errors of the op's own checks carry a description of it ("fsdp_ext
+    // <op> (group ...)") already; those of the layers below (an endpoint, a
+    // shared segment) name neither the op nor the group nor the rank.
+    const std::string what = error.what();
+    failure.message = what.rfind("fsdp_ext ", 0) == 0 ? what : description + ": " + what;
   } catch (const std::exception& error) {
     failure.kind = ErrorKind::kTransport;
     failure.message = description + ": " + error.what();

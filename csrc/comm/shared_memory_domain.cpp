@@ -63,7 +63,9 @@ const char* SharedMemoryDomain::map_peer(int peer, const SharedPiece& piece) {
 
 const char* SharedMemoryDomain::map_peer_with_pid(int peer, pid_t pid, const SharedPiece& piece) {
   if (piece.offset + piece.bytes > piece.segment_bytes || piece.staging_slot > kStagingSlots) {
-    throw CommError(ErrorKind::kTransport, "rank " + std::to_string(peer) +
+    // `peer` is a position among this host's ranks, not a group rank: name
+    // the process, which the message's reader can match.
+    throw CommError(ErrorKind::kTransport, "the peer process with pid " + std::to_string(pid) +
                                                " described a shared piece outside its memory");
   }
   const SharedMemorySegment* segment = nullptr;

@@ -164,6 +164,37 @@ TEST(ProgressEngine, ShutdownFailsPendingPointToPointOps) {
       << outcome.message;
 }
 
+TEST(ProgressEngine, AnUnmatchedReceiveTimesOutNamingItsPeerAndSize) {
+  LoopbackGroup group(2);
+  int32_t never_sent = 0;
+  auto receive = group.submit(
+      0, "recv",
+      [&](int, OpContext& context) { context.detach(context.recv_user(1, 7, &never_sent, 4)); },
+      milliseconds(300), /*collective=*/false);
+  const OpOutcome outcome = LoopbackGroup::await(receive, milliseconds(5000));
+  EXPECT_FALSE(outcome.ok);
+  EXPECT_EQ(outcome.kind, ErrorKind::kTimeout) << outcome.message;
+  EXPECT_TRUE(contains(outcome.message, "fsdp_ext recv (group 'loopback', rank 0/2): "
+                                        "timed out after 300 ms; rank 1"))
+      << outcome.message;
+  EXPECT_TRUE(contains(outcome.message, "sent nothing to this receive of 4 bytes"))
+      << outcome.message;
+  // A point-to-point timeout leaves the group usable.
+  EXPECT_TRUE(group.engine(0).broken_reason().empty());
+}
+
+TEST(ProgressEngine, AnErrorFromBelowTheOpIsNamedWithTheOp) {
+  LoopbackGroup group(1);
+  auto failing = group.submit(0, "all_gather", [](int, OpContext&) {
+    throw CommError(ErrorKind::kTransport, "opening a peer's shared segment: Permission denied");
+  });
+  const OpOutcome outcome = LoopbackGroup::await(failing, milliseconds(5000));
+  EXPECT_FALSE(outcome.ok);
+  EXPECT_EQ(outcome.message,
+            "fsdp_ext all_gather (group 'loopback', rank 0/1, op #1): opening a peer's shared "
+            "segment: Permission denied");
+}
+
 TEST(ProgressEngine, PointToPointCompletesInTheBackgroundWhileCollectivesRun) {
   // isend / irecv posted as ops of their own complete while a later
   // collective runs, and a receive from any sender reports who sent.

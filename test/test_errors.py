@@ -561,3 +561,27 @@ def test_recv_timeout_names_the_peer(pool2):
     assert "fsdp_ext recv" in message and "rank 0/2" in message, message
     assert "timed out after 2000 ms; rank 1 (host " in message, message
     assert "sent nothing to this receive of 32 bytes (no matching send there)" in message, message
+
+
+@pytest.mark.parametrize("record,expected", [
+    (b"\x00" * 40, "rank 1 published an address record this build cannot read: it runs another "
+                   "version of torch_fsdp_ext (older than this one's wire format "),
+    (b"1fsdpext" + (999).to_bytes(4, "little") + b"\x00" * 40,
+     "rank 1 runs a torch_fsdp_ext of wire format 999, this rank one of wire format "),
+], ids=["older-build", "other-wire-format"])
+def test_a_peer_of_another_build_is_named_at_group_creation(record, expected):
+    """Ranks running different torch_fsdp_ext builds find out when the group
+    is created, by name, instead of misreading each other. Rank 1 is played
+    by the test: it takes its ticket and publishes a record as another
+    build would, in the store rank 0 creates its group on."""
+    from torch_fsdp_ext import _C
+
+    store = dist.HashStore()
+    store.add("fsdp_ext/incarnation", 1)
+    store.set("fsdp_ext/0/address/1", record)
+    with pytest.raises(dist.DistBackendError) as info:
+        _C.FsdpExtBackend(store, 0, 2, datetime.timedelta(seconds=5), "mixed", None, [0, 1])
+    message = str(info.value)
+    assert message.startswith("fsdp_ext init (group 'mixed', rank 0/2): "), message
+    assert expected in message, message
+    assert "Install the same torch_fsdp_ext on every host" in message, message

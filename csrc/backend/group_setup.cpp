@@ -216,8 +216,9 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     mine.small_ops_fd = small_ops_ ? small_ops_->fd() : -1;
     std::vector<PeerIdentity> peers;
     std::vector<std::vector<uint8_t>> addresses;
-    for (const auto& blob : exchange_addresses(*store, rank, size, serialize(mine), default_timeout_)) {
-      peers.push_back(deserialize_peer_identity(blob));
+    for (const auto& blob :
+         exchange_addresses(*store, rank, size, serialize(mine), default_timeout_)) {
+      peers.push_back(deserialize_peer_identity(blob, static_cast<int>(peers.size())));
       addresses.push_back(peers.back().worker_address);
     }
     transport->connect(addresses);

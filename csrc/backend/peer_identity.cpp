@@ -25,7 +25,8 @@ class Reader {
   explicit Reader(const std::vector<uint8_t>& blob) : blob_(blob) {}
   void get_bytes(void* data, size_t bytes) {
     if (offset_ + bytes > blob_.size()) {
-      throw std::runtime_error("a peer published a truncated identity record");
+      throw std::runtime_error("a peer published a truncated identity record (another build of "
+                               "torch_fsdp_ext of the same wire format?)");
     }
     std::memcpy(data, blob_.data() + offset_, bytes);
     offset_ += bytes;
@@ -45,6 +46,18 @@ class Reader {
 }  // namespace
 
 const uint64_t kProcessReadProbeValue = 0x66736470'65787431ull;
+
+namespace {
+// Every identity record starts with these, so that ranks running different
+// builds of the package find out at group creation, by name, instead of
+// misreading each other's records (or, worse, agreeing on a record and then
+// on nothing else: tags, message layouts and shared-memory headers change
+// between versions too).
+constexpr uint64_t kIdentityMagic = 0x74786570'64736631ull;  // "1fsdpext", little-endian
+// Raise it with any change to what ranks exchange: this record, the tag
+// layout (comm/tag_scheme.h), message or shared-memory header layouts.
+constexpr uint32_t kWireFormat = 2;
+}  // namespace
 
 std::string this_host() {
   char name[256] = {};
@@ -77,6 +90,8 @@ std::string describe_host(const std::string& host, const std::string& mine) {
 
 std::vector<uint8_t> serialize(const PeerIdentity& identity) {
   std::vector<uint8_t> out;
+  put<uint64_t>(out, kIdentityMagic);
+  put<uint32_t>(out, kWireFormat);
   put<uint32_t>(out, static_cast<uint32_t>(identity.worker_address.size()));
   put_bytes(out, identity.worker_address.data(), identity.worker_address.size());
   put<uint32_t>(out, static_cast<uint32_t>(identity.host.size()));
@@ -92,8 +107,30 @@ std::vector<uint8_t> serialize(const PeerIdentity& identity) {
   return out;
 }
 
-PeerIdentity deserialize_peer_identity(const std::vector<uint8_t>& blob) {
+PeerIdentity deserialize_peer_identity(const std::vector<uint8_t>& blob, int peer) {
+  const std::string who = "rank " + std::to_string(peer);
+  uint64_t magic = 0;
+  uint32_t format = 0;
+  if (blob.size() >= sizeof(magic) + sizeof(format)) {
+    std::memcpy(&magic, blob.data(), sizeof(magic));
+    std::memcpy(&format, blob.data() + sizeof(magic), sizeof(format));
+  }
+  if (magic != kIdentityMagic) {
+    throw std::runtime_error(
+        who + " published an address record this build cannot read: it runs another version "
+              "of torch_fsdp_ext (older than this one's wire format " +
+        std::to_string(kWireFormat) + "), or its store key was written by something else. "
+        "Install the same torch_fsdp_ext on every host");
+  }
+  if (format != kWireFormat) {
+    throw std::runtime_error(who + " runs a torch_fsdp_ext of wire format " +
+                             std::to_string(format) + ", this rank one of wire format " +
+                             std::to_string(kWireFormat) +
+                             ": the two cannot talk. Install the same torch_fsdp_ext on every host");
+  }
   Reader reader(blob);
+  reader.get<uint64_t>();
+  reader.get<uint32_t>();
   PeerIdentity identity;
   identity.worker_address.resize(reader.get<uint32_t>());
   reader.get_bytes(identity.worker_address.data(), identity.worker_address.size());

@@ -43,7 +43,8 @@ std::string host_name_of(const std::string& host);
 // apart where the two hostnames are the same.
 std::string describe_host(const std::string& host, const std::string& mine);
 std::vector<uint8_t> serialize(const PeerIdentity& identity);
-// Throws std::runtime_error on a malformed blob.
-PeerIdentity deserialize_peer_identity(const std::vector<uint8_t>& blob);
+// `peer`'s record. Throws std::runtime_error on a malformed blob, naming the
+// peer and, where its build differs from this one, saying so.
+PeerIdentity deserialize_peer_identity(const std::vector<uint8_t>& blob, int peer);
 
 }  // namespace fsdp_ext::backend

@@ -930,6 +930,48 @@ def test_world_size_one_copies_gradients_that_are_views():
     assert out["ours"][1] == out["upstream"][1], out["ours"][1]
 
 
+class _ViewOut(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.lin(x)[:, :2]  # a view of the linear's output
+
+
+def warnings_of_view_outputs(ctx):
+    """Per impl: the view-output warnings of a forward whose inner FSDP
+    module returns a view, and whether backward then still works."""
+    import warnings
+
+    out = {}
+    for impl in IMPLS:
+        api = fsdp_api(impl)
+        torch.manual_seed(0)
+        model = nn.Sequential(_ViewOut(4), nn.Linear(2, 2))
+        api.fully_shard(model[0], mesh=make_mesh(ctx, "default"))
+        api.fully_shard(model, mesh=make_mesh(ctx, "default"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(torch.randn(3, 4)).sum().backward()
+        out[impl] = [str(w.message) for w in caught
+                     if issubclass(w.category, UserWarning) and "returned a view tensor" in str(w.message)]
+    return out
+
+
+def test_a_view_output_is_warned_about_as_upstream():
+    """A module that returns a view: changing it in place would drop the
+    pre-backward hook (Note [a view output loses its hook]), so ours warns,
+    naming the module's class, once per such output and forward; upstream
+    warns the same where its torch does (2.13 on)."""
+    out = get_pool(1).run(warnings_of_view_outputs)[0]
+    assert len(out["ours"]) == 1, out
+    assert out["ours"][0].startswith("torch_fsdp_ext.fully_shard: the FSDP module (_ViewOut) "
+                                     "returned a view tensor."), out
+    if out["upstream"]:
+        assert len(out["upstream"]) == len(out["ours"]), out
+
+
 # --------------------------------------------------------------------------
 # The forward hooks' C++ path and its hand-overs to Python
 

@@ -107,10 +107,32 @@ void FsdpState::set_groupless_backward_prefetch(
   groupless_backward_prefetch_.assign(targets.begin(), targets.end());
 }
 
+// Note [a view output loses its hook]
+// The pre-backward hook goes on the module's output tensor. When that output
+// is a view and the caller then changes it in place (`out += y`), autograd
+// rebases the view onto a new grad_fn and the hook registered on it is
+// dropped: the module's parameters are not all-gathered before its backward,
+// which then fails or computes wrong gradients. Upstream FSDP2 warns about
+// every such output; so does this, with the module's class names.
+namespace {
+void warn_view_output(const std::string& module_classes) {
+  const std::string message =
+      "torch_fsdp_ext.fully_shard: the FSDP module (" + module_classes +
+      ") returned a view tensor. Changing it in place afterwards (e.g. `out += y`) drops "
+      "FSDP's pre-backward hook on it, so the module's parameters are not all-gathered for "
+      "its backward (an error or wrong gradients). Use out-of-place ops (`out = out + y`) "
+      "or `.clone()` the output before changing it in place.";
+  if (PyErr_WarnEx(PyExc_UserWarning, message.c_str(), 2) != 0) {
+    throw py::error_already_set();  // warnings turned into errors
+  }
+}
+}  // namespace
+
 void FsdpState::register_pre_backward(const std::vector<at::Tensor>& outputs) {
   std::weak_ptr<FsdpState> weak = weak_from_this();
   for (const at::Tensor& output : outputs) {
     if (!output.defined() || !output.requires_grad()) continue;
+    if (output.is_view()) warn_view_output(module_classes_);
     output.register_hook([weak](const at::Tensor&) {
       py::gil_scoped_acquire gil;
       if (std::shared_ptr<FsdpState> state = weak.lock()) state->pre_backward();

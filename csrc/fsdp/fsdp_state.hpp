@@ -142,8 +142,13 @@ class FSDP_EXT_HIDDEN FsdpState : public std::enable_shared_from_this<FsdpState>
   void set_forward_setup(ForwardSetup setup) { forward_setup_ = setup; }
 
   // Step 3 of Note [the hook layer's order in one step]: a C++ hook on each
-  // of `outputs` that requires grad.
+  // of `outputs` that requires grad. An output that is a view gets a
+  // UserWarning first, as upstream gives (Note [a view output loses its hook]).
+  // Needs the GIL.
   void register_pre_backward(const std::vector<at::Tensor>& outputs);
+  // The class names of the state's modules, for that warning.
+  const std::string& module_classes() const { return module_classes_; }
+  void set_module_classes(std::string names) { module_classes_ = std::move(names); }
   // What that hook does (needs the GIL).
   void pre_backward();
   // Step 5's share of this state: each group's finish_backward, the last
@@ -157,6 +162,7 @@ class FSDP_EXT_HIDDEN FsdpState : public std::enable_shared_from_this<FsdpState>
   std::vector<std::weak_ptr<FsdpParamGroup>> groupless_forward_prefetch_;
   std::vector<std::weak_ptr<FsdpParamGroup>> groupless_backward_prefetch_;
   ForwardSetup forward_setup_;
+  std::string module_classes_ = "?";
 };
 
 }  // namespace fsdp_ext::fsdp

@@ -316,6 +316,8 @@ void bind_fsdp_runtime(py::module_& m) {
       .def("post_forward_groups", &fsdp::FsdpState::post_forward_groups,
            py::arg("inside_backward"), py::arg("grad_outputs"),
            "Each group's post_forward, the pre-backward hook on grad_outputs, IDLE.")
+      .def_property("module_classes", &fsdp::FsdpState::module_classes,
+                    &fsdp::FsdpState::set_module_classes)
       .def("register_pre_backward", &fsdp::FsdpState::register_pre_backward,
            py::arg("outputs"),
            "A C++ hook on each output that requires grad: the state's pre_backward.")

@@ -208,6 +208,7 @@ class FSDPState(_State):
         for module in modules:
             _insert_module_state(module, self)
         self._modules = modules
+        self._hooks.module_classes = ", ".join(type(m).__name__ for m in modules) or "?"
         self._device = device
         self._mp_policy = mp_policy
         self._offload_policy = offload_policy

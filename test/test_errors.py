@@ -189,6 +189,32 @@ def test_size_mismatch_between_ranks_over_shared_memory(pool2, op):
         assert "differ between ranks" in message and f"rank {1 - rank} has" in message, messages
 
 
+def check_different_collectives(ctx):
+    """Rank 0 all-reduces where rank 1 all-gathers, 1 MiB each (above the
+    small-op channel: through shared memory)."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=10))
+    numel = 1 << 18
+    with pytest.raises(dist.DistBackendError) as info:
+        if ctx.rank == 0:
+            dist.all_reduce(torch.ones(numel), group=group)
+        else:
+            dist.all_gather_into_tensor(torch.empty(2 * numel), torch.ones(numel), group=group)
+    dist.destroy_process_group(group)
+    return str(info.value)
+
+
+def test_different_collectives_over_shared_memory_are_named(pool2):
+    """Ranks that called different collectives are told so, by name, rather
+    than that their sizes differ."""
+    messages = pool2.run(check_different_collectives)
+    assert messages[0].startswith("fsdp_ext all_reduce (group "), messages
+    assert ("rank 1 is in an all-gather where this rank is in an all-reduce (its first phase) "
+            "(the ranks called different collectives") in messages[0], messages
+    assert messages[1].startswith("fsdp_ext all_gather_into_tensor (group "), messages
+    assert "rank 0 is in an all-reduce (its first phase) where this rank is in an all-gather" \
+        in messages[1], messages
+
+
 @pytest.mark.parametrize("numel", [8, 100000], ids=["small_op_channel", "shared_memory"])
 def test_timeout_names_missing_peer(pool2, numel):
     pool2.run(check_timeout, numel)

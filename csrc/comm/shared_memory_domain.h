@@ -45,7 +45,10 @@ struct SharedPiece {
   // `process_address`, which the reader copies with process_vm_readv (one
   // copy, done by the kernel) instead of the owner staging it first.
   uint32_t in_process_memory = 0;
-  uint32_t reserved = 0;
+  // Which exchange of which collective the owner offers it in
+  // (SharedExchangeKind, algorithms/shared_source_exchange.h): a reader in
+  // another collective names both instead of reporting sizes that differ.
+  uint32_t exchange_kind = 0;
   uint64_t process_address = 0;
 };
 

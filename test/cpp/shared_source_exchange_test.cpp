@@ -205,6 +205,36 @@ TEST(SharedSourceExchange, SizesThatDifferBetweenRanksAreAMismatch) {
   EXPECT_NE(outcomes[0].message.find("exchange mismatch"), std::string::npos);
 }
 
+TEST(SharedSourceExchange, ExchangesOfDifferentCollectivesAreNamed) {
+  LoopbackGroup group(2);
+  std::vector<uint8_t> memory(64, 1);
+  const auto outcomes = group.run(
+      "exchange kinds",
+      [&](int r, OpContext& context) {
+        // Same sizes on both ranks: only the collectives differ.
+        SharedSourceExchange exchange(
+            context, *context.shared_memory(), 0, 0, kNoProcessReads,
+            r == 0 ? SharedExchangeKind::kAllReduceInputs : SharedExchangeKind::kAllGather);
+        exchange.offer(1 - r, {ConstSpan{memory.data(), 64}});
+        exchange.expect(1 - r, {64});
+        exchange.exchange();
+        exchange.finish();
+      },
+      std::chrono::milliseconds(2000));
+  ASSERT_FALSE(outcomes[0].ok);
+  EXPECT_EQ(outcomes[0].kind, ErrorKind::kMismatch);
+  EXPECT_NE(outcomes[0].message.find("rank 1 is in an all-gather where this rank is in an "
+                                     "all-reduce (its first phase) (the ranks called different "
+                                     "collectives"),
+            std::string::npos)
+      << outcomes[0].message;
+  ASSERT_FALSE(outcomes[1].ok);
+  EXPECT_NE(outcomes[1].message.find("rank 0 is in an all-reduce (its first phase) where this "
+                                     "rank is in an all-gather"),
+            std::string::npos)
+      << outcomes[1].message;
+}
+
 TEST(SharedSourceExchange, ADifferentNumberOfPiecesIsAMismatchToo) {
   LoopbackGroup group(2);
   std::vector<uint8_t> memory(64, 1);

@@ -73,7 +73,8 @@ void allgather_shared(OpContext& context, SharedMemoryDomain& domain,
                       const std::vector<AllgatherMember>& bucket) {
   const int n = context.size();
   const int r = context.rank();
-  SharedSourceExchange exchange(context, domain, 0, /*staging_slot=*/0, kProcessReadMinBytes);
+  SharedSourceExchange exchange(context, domain, 0, /*staging_slot=*/0, kProcessReadMinBytes,
+                                SharedExchangeKind::kAllGather);
   std::vector<ConstSpan> inputs;
   for (const AllgatherMember& member : bucket) inputs.push_back(member.input);
   for (int p = 0; p < n; ++p) {

@@ -88,7 +88,8 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
   // instead of being staged by their owner, and read here a cache-sized chunk
   // at a time, so the reduction takes them from cache.
   SharedSourceExchange inputs(context, domain, 0, /*staging_slot=*/0,
-                              kAllreduceProcessReadMinBytes);
+                              kAllreduceProcessReadMinBytes,
+                              SharedExchangeKind::kAllReduceInputs);
   for (int p = 0; p < n; ++p) {
     if (p == r) continue;
     std::vector<ConstSpan> pieces;
@@ -114,7 +115,8 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
   // has finished reading this rank's buffers in phase 1, so once every header
   // is in, blocks p can be overwritten.
   SharedSourceExchange results(context, domain, 2, /*staging_slot=*/1,
-                               kAllreduceProcessReadMinBytes);
+                               kAllreduceProcessReadMinBytes,
+                               SharedExchangeKind::kAllReduceResults);
   std::vector<ConstSpan> reduced_blocks;
   for (size_t m = 0; m < bucket.size(); ++m) {
     reduced_blocks.push_back(ConstSpan{blocks[m][r].data, blocks[m][r].bytes});

@@ -53,7 +53,8 @@ void broadcast_binomial(OpContext& context, MutableSpan data, int root) {
 
 void broadcast_shared(OpContext& context, SharedMemoryDomain& domain, MutableSpan data,
                       int root) {
-  SharedSourceExchange exchange(context, domain, 0, /*staging_slot=*/0, kProcessReadMinBytes);
+  SharedSourceExchange exchange(context, domain, 0, /*staging_slot=*/0, kProcessReadMinBytes,
+                                SharedExchangeKind::kBroadcast);
   if (context.rank() == root) {
     for (int p = 0; p < context.size(); ++p) {
       if (p != root) exchange.offer(p, {ConstSpan{data.data, data.bytes}});

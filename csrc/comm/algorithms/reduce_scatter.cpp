@@ -164,7 +164,8 @@ void reduce_scatter_shared(OpContext& context, SharedMemoryDomain& domain,
   // Large blocks of ordinary memory are offered as process memory rather
   // than staged by their owner (one copy fewer: the reader copies a chunk at
   // a time into cache and reduces it there).
-  SharedSourceExchange exchange(context, domain, 0, /*staging_slot=*/0, kProcessReadMinBytes);
+  SharedSourceExchange exchange(context, domain, 0, /*staging_slot=*/0, kProcessReadMinBytes,
+                                SharedExchangeKind::kReduceScatter);
   for (int p = 0; p < n; ++p) {
     if (p == r) continue;
     std::vector<ConstSpan> pieces;

@@ -15,14 +15,27 @@ namespace {
 constexpr size_t kReduceChunkBytes = 256 << 10;
 }  // namespace
 
+const char* shared_exchange_kind_name(uint32_t kind) {
+  switch (static_cast<SharedExchangeKind>(kind)) {
+    case SharedExchangeKind::kUnnamed: return "an unnamed exchange";
+    case SharedExchangeKind::kAllGather: return "an all-gather";
+    case SharedExchangeKind::kAllReduceInputs: return "an all-reduce (its first phase)";
+    case SharedExchangeKind::kAllReduceResults: return "an all-reduce (its second phase)";
+    case SharedExchangeKind::kBroadcast: return "a broadcast";
+    case SharedExchangeKind::kReduceScatter: return "a reduce-scatter";
+  }
+  return "an exchange of another build";
+}
+
 SharedSourceExchange::SharedSourceExchange(OpContext& context, SharedMemoryDomain& domain,
                                            uint32_t first_step, int staging_slot,
-                                           size_t process_read_min_bytes)
+                                           size_t process_read_min_bytes, SharedExchangeKind kind)
     : context_(context),
       domain_(domain),
       header_step_(first_step),
       staging_slot_(staging_slot),
       process_read_min_bytes_(process_read_min_bytes),
+      kind_(kind),
       offers_(context.size()),
       offered_(context.size(), false),
       expected_(context.size()),
@@ -92,6 +105,7 @@ void SharedSourceExchange::exchange() {
       const ConstSpan& piece = offers_[p][i];
       if (piece.bytes != 0) headers_out_[p][i] = located[{piece.data, piece.bytes}];
       headers_out_[p][i].bytes = piece.bytes;
+      headers_out_[p][i].exchange_kind = static_cast<uint32_t>(kind_);
     }
     requests.push_back(context_.send(p, header_step_, headers_out_[p].data(),
                                      headers_out_[p].size() * sizeof(SharedPiece)));
@@ -103,6 +117,15 @@ void SharedSourceExchange::exchange() {
     sources_[p].assign(expected_[p].size(), nullptr);
     for (size_t i = 0; i < expected_[p].size(); ++i) {
       const SharedPiece& piece = headers_in_[p][i];
+      if (piece.exchange_kind != static_cast<uint32_t>(kind_)) {
+        throw CommError(ErrorKind::kMismatch,
+                        context_.description() + ": rank " + std::to_string(p) + " is in " +
+                            shared_exchange_kind_name(piece.exchange_kind) +
+                            " where this rank is in " +
+                            shared_exchange_kind_name(static_cast<uint32_t>(kind_)) +
+                            " (the ranks called different collectives, or the same ones in "
+                            "another order)");
+      }
       if (piece.bytes != expected_[p][i]) {
         throw CommError(ErrorKind::kMismatch,
                         context_.description() + ": rank " + std::to_string(p) + " has " +

@@ -41,6 +41,19 @@ constexpr size_t kAllreduceProcessReadMinBytes = 1 << 20;
 // process memory (source() has no address for it).
 constexpr size_t kNoProcessReads = SIZE_MAX;
 
+// What an exchange belongs to, carried in every header: ranks that called
+// different collectives (or the same ones in another order) meet in
+// exchanges of different kinds, and the reader says so by name.
+enum class SharedExchangeKind : uint32_t {
+  kUnnamed = 0,  // tests
+  kAllGather = 1,
+  kAllReduceInputs = 2,
+  kAllReduceResults = 3,
+  kBroadcast = 4,
+  kReduceScatter = 5,
+};
+const char* shared_exchange_kind_name(uint32_t kind);
+
 class SharedSourceExchange {
  public:
   // Uses steps `first_step` (headers) and `first_step + 1` (done messages);
@@ -49,8 +62,10 @@ class SharedSourceExchange {
   // size are offered as ordinary process memory, which readers copy with
   // process_vm_readv through copy_out, copy_range or reduce_pieces: one copy
   // instead of a staging copy by the owner plus the read.
+  // `kind`: which collective's exchange this is, checked against the peers'.
   SharedSourceExchange(OpContext& context, SharedMemoryDomain& domain, uint32_t first_step,
-                       int staging_slot = 0, size_t process_read_min_bytes = kNoProcessReads);
+                       int staging_slot = 0, size_t process_read_min_bytes = kNoProcessReads,
+                       SharedExchangeKind kind = SharedExchangeKind::kUnnamed);
 
   void offer(int peer, std::vector<ConstSpan> pieces);
   void expect(int peer, std::vector<size_t> piece_bytes);
@@ -91,6 +106,7 @@ class SharedSourceExchange {
   uint32_t header_step_;
   int staging_slot_;
   size_t process_read_min_bytes_;
+  SharedExchangeKind kind_;
   std::vector<std::vector<ConstSpan>> offers_;
   std::vector<bool> offered_;
   std::vector<std::vector<size_t>> expected_;

@@ -611,3 +611,21 @@ def test_a_peer_of_another_build_is_named_at_group_creation(record, expected):
     assert message.startswith("fsdp_ext init (group 'mixed', rank 0/2): "), message
     assert expected in message, message
     assert "Install the same torch_fsdp_ext on every host" in message, message
+
+
+def check_pg_options_are_warned_about(ctx):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        group = dist.new_group(backend="fsdp_ext", pg_options=dist.ProcessGroupGloo._Options())
+    t = torch.ones(2)
+    dist.all_reduce(t, group=group)  # the group works regardless
+    dist.destroy_process_group(group)
+    return t.tolist(), [str(w.message) for w in caught if "pg_options" in str(w.message)]
+
+
+def test_pg_options_are_warned_about_not_silently_ignored(pool2):
+    for total, warned in pool2.run(check_pg_options_are_warned_about):
+        assert total == [2.0, 2.0]
+        assert len(warned) == 1 and "pg_options (_Options) are ignored" in warned[0], warned

@@ -1,6 +1,7 @@
 """Registers ``fsdp_ext`` with torch.distributed (once per process)."""
 
 import atexit
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,18 @@ BACKEND_NAME = "fsdp_ext"
 
 def _create_backend(dist_backend_opts, backend_options):
     """Factory torch.distributed calls for every group that uses fsdp_ext."""
+    if backend_options is not None:
+        # pg_options= of init_process_group / new_group: options of another
+        # backend's type (gloo's, NCCL's). Nothing in them applies here; the
+        # group's timeout comes from timeout=, tuning from FSDP_EXT_* variables.
+        warnings.warn(
+            f"fsdp_ext group {dist_backend_opts.group_id!r}: pg_options "
+            f"({type(backend_options).__name__}) are ignored; the fsdp_ext backend takes its "
+            "timeout from timeout= and its tuning from FSDP_EXT_* environment variables "
+            "(docs/configuration.md)",
+            UserWarning,
+            stacklevel=2,
+        )
     return _C.FsdpExtBackend(
         dist_backend_opts.store,
         dist_backend_opts.group_rank,

@@ -109,6 +109,18 @@ BackendEnvironment read_environment(const std::string& where) {
   out.process_reads = switch_on("FSDP_EXT_PROCESS_READS", where);
   out.small_ops = switch_on("FSDP_EXT_SMALL_OPS", where);
   out.cuda_path = one_of("FSDP_EXT_CUDA_PATH", {"auto", "ipc", "nccl", "staged"}, where);
+  // torch's own, read by the Flight Recorder (flight_recorder.cpp), which
+  // would take a bad value for "off" without a word; torch refuses it too.
+  for (const char* variable : {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}) {
+    const char* value = std::getenv(variable);
+    if (value == nullptr || value[0] == '\0') continue;
+    errno = 0;
+    char* end = nullptr;
+    const long long parsed = std::strtoll(value, &end, 10);
+    TORCH_CHECK_VALUE(errno == 0 && end != value && *end == '\0' && parsed >= 0, where, variable,
+                      "='", value, "' is not valid; expected a non-negative integer (the number "
+                      "of ops the Flight Recorder keeps; 0: off)");
+  }
   return out;
 }
 

@@ -66,7 +66,7 @@ class FsdpExtBackend : public c10d::Backend {
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override { return collective_seq_.load(); }
   // From now on every op's Work records when it started and ended
-  // (Work.get_duration()).
+  // (Work._get_duration()).
   void enableCollectivesTiming() override { timing_enabled_.store(true); }
 
   // Allocation from the group (FSDP2's set_allocate_memory_from_process_group

@@ -80,12 +80,12 @@ void FsdpExtWork::mark_started() {
 
 float FsdpExtWork::getDuration() const {
   TORCH_CHECK(record_.timed,
-              "fsdp_ext: Work.get_duration() needs collectives timing, which is off for this "
+              "fsdp_ext: Work._get_duration() needs collectives timing, which is off for this "
               "group: call enableCollectivesTiming() on its backend before the op");
   // completed_ is set by finish() under mutex_, after ended_ was written.
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(completed_,
-              "fsdp_ext: Work.get_duration() is only known once the op has finished; wait() first");
+              "fsdp_ext: Work._get_duration() is only known once the op has finished; wait() first");
   return std::chrono::duration<float, std::milli>(ended_ - started_).count();
 }
 

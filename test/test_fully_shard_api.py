@@ -748,6 +748,35 @@ def test_manual_backward_finalization(impl):
     get_pool(2).run(check_manual_backward_finalization, impl)
 
 
+def check_async_finalize_with_another_roots_work(ctx, impl):
+    """Two roots sharing a comm context (share_comm_ctx, pipeline stages):
+    while the first has run a forward whose backward has not ended, the
+    second's finalize_backward(async_op=True) is refused, as upstream's is;
+    once the first's backward has ended it goes ahead."""
+    import torch.distributed.fsdp as upstream_fsdp
+
+    pkg = upstream_fsdp if impl == "upstream" else __import__("torch_fsdp_ext").fsdp
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    first, second = shard_stack(MLPStack(n=1), api), shard_stack(MLPStack(n=1), api)
+    pkg.share_comm_ctx([first, second])
+    second.set_manual_backward_finalization(True)
+    x = mlp_batch(ctx.rank, 0)
+    loss = first(x).sum()  # first's forward order is on the shared context
+    second(x).sum().backward()
+    with pytest.raises(RuntimeError, match="cannot overlap work from another FSDP root"):
+        second.finalize_backward(async_op=True)
+    loss.backward()  # first's backward ends: the context holds nothing of it
+    second.finalize_backward(async_op=True).wait()
+    return all(p.grad is not None for p in second.parameters())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_async_finalize_refuses_to_overlap_another_roots_work(impl):
+    _skip_unless_impl_has(impl, "manual_backward_finalization")
+    assert all(get_pool(2).run(check_async_finalize_with_another_roots_work, impl))
+
+
 def check_keep_unsharded_storage(ctx, impl):
     """set_keep_unsharded_storage(True): resharding leaves the unsharded
     parameters' storage allocated, so the next unshard writes the same memory

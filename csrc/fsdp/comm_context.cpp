@@ -1,5 +1,7 @@
 #include "fsdp/comm_context.hpp"
 
+#include <unordered_set>
+
 #include "fsdp/fsdp_param_group.hpp"
 #include "fsdp/collective_group.hpp"
 
@@ -83,6 +85,24 @@ void FsdpCommContext::finish_backward(bool is_last_backward) {
   // The forward order is kept across microbatches (each backward prefetches
   // through it) and dropped once the step's last backward is done.
   if (is_last_backward) post_forward_order.clear();
+}
+
+bool FsdpCommContext::holds_groups_other_than(
+    const std::vector<std::shared_ptr<FsdpParamGroup>>& groups) const {
+  std::unordered_set<const FsdpParamGroup*> mine;
+  for (const auto& group : groups) mine.insert(group.get());
+  // An expired group (its model gone) is nobody's work any more.
+  auto other = [&](const std::weak_ptr<FsdpParamGroup>& weak) {
+    const std::shared_ptr<FsdpParamGroup> group = weak.lock();
+    return group && mine.count(group.get()) == 0;
+  };
+  for (const PendingReduce& reduce : reduces_) {
+    if (other(reduce.group)) return true;
+  }
+  for (const auto& group : post_forward_order) {
+    if (other(group)) return true;
+  }
+  return false;
 }
 
 void FsdpCommContext::drop_reduces() {

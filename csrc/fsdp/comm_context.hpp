@@ -129,6 +129,10 @@ class FSDP_EXT_HIDDEN FsdpCommContext {
   // (reset after a failed iteration).
   void drop_reduces();
   size_t reduces_in_flight() const { return reduces_.size(); }
+  // Whether a reduction in flight or the forward order holds a group that
+  // is not one of `groups`: another root's work, on a context shared with
+  // share_comm_ctx, which an asynchronous finalize_backward must not overlap.
+  bool holds_groups_other_than(const std::vector<std::shared_ptr<FsdpParamGroup>>& groups) const;
 
  private:
   // The compute stream waits for every post-reduce event and held buffer.

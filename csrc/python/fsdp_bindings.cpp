@@ -143,6 +143,9 @@ void bind_fsdp_runtime(py::module_& m) {
            "The all-gather copy-in and all-gather streams (empty without side streams).")
       .def_property_readonly("uses_streams",
                              [](const FsdpCommContext& self) { return self.streams() != nullptr; })
+      .def("holds_groups_other_than", &FsdpCommContext::holds_groups_other_than,
+           py::arg("groups"),
+           "Whether reductions in flight or the forward order hold another root's groups.")
       .def("drop_reduces", &FsdpCommContext::drop_reduces,
            "Wait for in-flight reduce-scatters and discard their results.")
       .def("finish_backward", &FsdpCommContext::finish_backward, py::arg("is_last_backward"),

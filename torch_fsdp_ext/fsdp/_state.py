@@ -548,6 +548,15 @@ class FSDPState(_State):
         if not async_op:
             self._finalize_backward(wait=True)
             return None
+        # Left in flight, this root's reductions would interleave with those
+        # of another root sharing the comm context (share_comm_ctx), whose
+        # end of backward completes every reduction on the context.
+        groups = [group for state in self._state_ctx.all_states
+                  for group in state._fsdp_param_groups]
+        if self._comm_ctx.holds_groups_other_than(groups):
+            raise RuntimeError(
+                "Asynchronous gradient finalization cannot overlap work from another FSDP root "
+                "sharing the communication context")
         reduction = GradientReduction(self._state_ctx)
         self._comm_ctx.active_gradient_reduction = reduction
         try:

@@ -82,6 +82,11 @@ UPSTREAM_SINCE = {
     "manual_backward_finalization": (
         (2, 15), "FSDPModule.finalize_backward and set_manual_backward_finalization"),
     "keep_unsharded_storage": ((2, 15), "FSDPModule.set_keep_unsharded_storage"),
+    # An all-gather extension's fsdp_should_release_all_gather_outputs_after_
+    # post_all_gather: before 2.15 upstream never calls it (the outputs stay
+    # allocated until reshard); ours honours it on every torch.
+    "release_all_gather_outputs": (
+        (2, 15), "fsdp_should_release_all_gather_outputs_after_post_all_gather"),
 }
 
 

@@ -139,3 +139,69 @@ def test_extensions_see_the_shard_mesh_under_hsdp(pool4):
     for rank, (problems, upstream_calls) in enumerate(pool4.run(compare_extensions, "hsdp")):
         assert upstream_calls > 0
         assert not problems, (rank, problems)
+
+
+def unshard_with_release_hook(ctx, impl, answer):
+    """An extension that casts to bf16 for the all-gather and builds the
+    unsharded parameter as a new tensor, declaring through
+    fsdp_should_release_all_gather_outputs_after_post_all_gather that the
+    raw outputs may go at once. Returns whether each gathered output's
+    memory was freed while its parameter was unsharded, and the unsharded
+    parameters."""
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    model = MLPStack(n=1, dim=8, hidden=8)
+    for module in model:
+        if not isinstance(module, nn.Linear):
+            api.fully_shard(module)
+    api.fully_shard(model)
+    gathered = []
+
+    def pre(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self.to(torch.bfloat16),), self.dtype
+
+    def post(self, outputs, metadata, param_dtype, *, out=None):
+        gathered.append(outputs[0])
+        if out is not None:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+                out.copy_(outputs[0])
+            return None
+        unsharded = outputs[0].to(metadata)
+        return unsharded, (unsharded,)
+
+    for param in model.parameters():
+        local = param._local_tensor
+        local.fsdp_pre_all_gather = types.MethodType(pre, local)
+        local.fsdp_post_all_gather = types.MethodType(post, local)
+        local.fsdp_should_release_all_gather_outputs_after_post_all_gather = (
+            types.MethodType(lambda self: answer, local))
+    try:
+        model(mlp_batch(ctx.rank, 0, dim=8)).sum().backward()  # lazy init, a step's unshards
+    except AssertionError as error:
+        return str(error)
+    block = model[1]
+    block.unshard()
+    freed = [g.untyped_storage().nbytes() == 0 for g in gathered[-len(list(block.parameters())):]]
+    values = [p.detach().clone() for p in block.parameters()]
+    block.reshard()
+    return freed, values
+
+
+@pytest.mark.parametrize("impl", ["ours", "upstream"])
+def test_release_hook_frees_the_all_gather_outputs_after_the_post_hook(impl, pool2):
+    from fsdp_testing import needs_newer_torch, upstream_has, UPSTREAM_SINCE
+
+    if impl == "upstream" and not upstream_has("release_all_gather_outputs"):
+        version, what = UPSTREAM_SINCE["release_all_gather_outputs"]
+        pytest.skip(needs_newer_torch(f"upstream's {what}", version))
+    results = pool2.run(unshard_with_release_hook, impl, True)
+    kept = pool2.run(unshard_with_release_hook, impl, False)
+    for (freed, values), (kept_freed, kept_values) in zip(results, kept):
+        assert freed and all(freed), freed
+        assert not any(kept_freed), kept_freed
+        # The unsharded parameters do not depend on the outputs' memory.
+        for mine, reference in zip(values, kept_values):
+            assert torch.equal(mine, reference)
+    # A hook that does not answer with a bool is refused, as upstream's.
+    for message in pool2.run(unshard_with_release_hook, impl, "yes"):
+        assert "must return a bool, got <class 'str'>" in message, message

@@ -20,9 +20,13 @@ import torch
 import torch.nn as nn
 
 
+_RELEASE_HOOK = "fsdp_should_release_all_gather_outputs_after_post_all_gather"
+
+
 def has_extension(local_tensor: torch.Tensor) -> bool:
     """Whether the local tensor defines an all-gather extension; both hooks
-    or neither (upstream's AssertionError otherwise)."""
+    or neither, and the release hook only with them (upstream's
+    AssertionErrors otherwise)."""
     pre = hasattr(local_tensor, "fsdp_pre_all_gather")
     post = hasattr(local_tensor, "fsdp_post_all_gather")
     if pre != post:
@@ -30,7 +34,25 @@ def has_extension(local_tensor: torch.Tensor) -> bool:
             "Both fsdp_pre_all_gather and fsdp_post_all_gather should be defined "
             f"if using all-gather extensions: {local_tensor}"
         )
+    if hasattr(local_tensor, _RELEASE_HOOK) and not post:
+        raise AssertionError(
+            f"{_RELEASE_HOOK} requires fsdp_pre_all_gather and fsdp_post_all_gather to be "
+            f"defined: {local_tensor}"
+        )
     return pre
+
+
+def _release_outputs_after_post(local_tensor: torch.Tensor) -> bool:
+    """The extension's answer to whether the raw all-gather outputs may be
+    freed as soon as its post hook has run (its unsharded tensors then do
+    not alias them); False when it does not say (torch 2.15's hook)."""
+    hook = getattr(local_tensor, _RELEASE_HOOK, None)
+    if hook is None:
+        return False
+    answer = hook()
+    if not isinstance(answer, bool):
+        raise AssertionError(f"{_RELEASE_HOOK} must return a bool, got {type(answer)}")
+    return answer
 
 
 def _contiguous_stride(size) -> tuple:
@@ -67,6 +89,11 @@ class AllGatherExtension:
         self._input_sizes: list = []
         self._outputs: list[torch.Tensor] = []
         self._inner_tensors: list[torch.Tensor] = []
+        # Free the outputs right after the post hook rather than at reshard:
+        # the gathered bytes' memory is not held while the parameter is
+        # unsharded (the extension vouches that nothing views them).
+        self._release_outputs_after_post = _release_outputs_after_post(
+            sharded_param._local_tensor)
 
     def inputs(self) -> list[torch.Tensor]:
         """The pre-all-gather hook's inputs, flattened (upstream's arities:
@@ -122,10 +149,17 @@ class AllGatherExtension:
             for t in self._inner_tensors:
                 _resize_storage(t, t.numel() * t.element_size())
             post(outputs, metadata, param_dtype, out=unsharded_param)
+            self._release_outputs_if_asked()
             return None
         tensor, inner = post(outputs, metadata, param_dtype)
         self._inner_tensors = list(inner)
+        self._release_outputs_if_asked()
         return torch.as_strided(tensor, self._orig_size, self._orig_stride, storage_offset=0)
+
+    def _release_outputs_if_asked(self) -> None:
+        if self._release_outputs_after_post:
+            for t in self._outputs:
+                _resize_storage(t, 0)
 
     def release(self) -> None:
         """Reshard: the outputs' and inner tensors' memory is freed (the
@@ -144,6 +178,8 @@ def attach(groups, mp_policy) -> None:
                 param.extension = None
                 continue
             if group.uses_post_forward_mesh:
+                # Refused for every extension, so also for one that frees its
+                # outputs after the post hook (which upstream refuses alone).
                 raise NotImplementedError(
                     f"torch_fsdp_ext.fully_shard: {param.fqn} has an all-gather extension; "
                     "reshard_after_forward as an int (a post-forward mesh) does not support "

@@ -760,8 +760,12 @@ def check_async_finalize_with_another_roots_work(ctx, impl):
     torch.manual_seed(0)
     first, second = shard_stack(MLPStack(n=1), api), shard_stack(MLPStack(n=1), api)
     pkg.share_comm_ctx([first, second])
-    second.set_manual_backward_finalization(True)
     x = mlp_batch(ctx.rank, 0)
+    # One automatic step each first: upstream's lazy init of a root resets the
+    # shared context's forward order, which would drop first's entries.
+    for model in (first, second):
+        model(x).sum().backward()
+    second.set_manual_backward_finalization(True)
     loss = first(x).sum()  # first's forward order is on the shared context
     second(x).sum().backward()
     with pytest.raises(RuntimeError, match="cannot overlap work from another FSDP root"):

@@ -49,17 +49,25 @@ std::string known_list() {
   return out;
 }
 
-// A non-negative integer number of microseconds, or `fallback` when unset.
-std::chrono::microseconds microseconds(const char* variable, int64_t fallback,
-                                       const std::string& where) {
+// A non-negative integer, or `fallback` when unset; `meaning` says in the
+// error what the number counts.
+int64_t non_negative_integer(const char* variable, int64_t fallback, const char* meaning,
+                             const std::string& where) {
   const char* value = std::getenv(variable);
-  if (value == nullptr || value[0] == '\0') return std::chrono::microseconds(fallback);
+  if (value == nullptr || value[0] == '\0') return fallback;
   errno = 0;
   char* end = nullptr;
   const long long parsed = std::strtoll(value, &end, 10);
   TORCH_CHECK_VALUE(errno == 0 && end != value && *end == '\0' && parsed >= 0, where, variable,
-                    "='", value, "' is not valid; expected a non-negative integer (microseconds)");
-  return std::chrono::microseconds(parsed);
+                    "='", value, "' is not valid; expected a non-negative integer (", meaning,
+                    ")");
+  return parsed;
+}
+
+std::chrono::microseconds microseconds(const char* variable, int64_t fallback,
+                                       const std::string& where) {
+  return std::chrono::microseconds(
+      non_negative_integer(variable, fallback, "microseconds", where));
 }
 
 // "0" turns a feature off, "1" (or unset) leaves it on.
@@ -112,14 +120,8 @@ BackendEnvironment read_environment(const std::string& where) {
   // torch's own, read by the Flight Recorder (flight_recorder.cpp), which
   // would take a bad value for "off" without a word; torch refuses it too.
   for (const char* variable : {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}) {
-    const char* value = std::getenv(variable);
-    if (value == nullptr || value[0] == '\0') continue;
-    errno = 0;
-    char* end = nullptr;
-    const long long parsed = std::strtoll(value, &end, 10);
-    TORCH_CHECK_VALUE(errno == 0 && end != value && *end == '\0' && parsed >= 0, where, variable,
-                      "='", value, "' is not valid; expected a non-negative integer (the number "
-                      "of ops the Flight Recorder keeps; 0: off)");
+    non_negative_integer(variable, 0, "the number of ops the Flight Recorder keeps; 0: off",
+                         where);
   }
   return out;
 }

@@ -10,11 +10,10 @@
 #include <sys/stat.h>
 
 #include <cstdio>
-#include <stdexcept>
-#include <typeinfo>
-
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <typeinfo>
 #include <unordered_map>
 
 namespace fsdp_ext::backend {

@@ -237,7 +237,7 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
     }
     hosts = topology.hosts.size();
     std::set<std::string> machines;
-    for (const PeerIdentity& peer : peers) machines.insert(peer.host.substr(0, peer.host.rfind('/')));
+    for (const PeerIdentity& peer : peers) machines.insert(machine_of(peer.host));
     if (machines.size() < hosts) {
       hosts_detail = " on " + std::to_string(machines.size()) +
                      (machines.size() == 1 ? " machine" : " machines") +

@@ -79,11 +79,13 @@ std::string this_host() {
 
 std::string host_name_of(const std::string& host) { return host.substr(0, host.find('/')); }
 
+std::string machine_of(const std::string& host) { return host.substr(0, host.rfind('/')); }
+
 std::string describe_host(const std::string& host, const std::string& mine) {
   std::string text = host_name_of(host);
   if (host != mine && text == host_name_of(mine)) {
-    const bool same_machine = host.substr(0, host.rfind('/')) == mine.substr(0, mine.rfind('/'));
-    text += same_machine ? " (another PID namespace)" : " (another machine of that name)";
+    text += machine_of(host) == machine_of(mine) ? " (another PID namespace)"
+                                                 : " (another machine of that name)";
   }
   return text;
 }

@@ -39,6 +39,9 @@ extern const uint64_t kProcessReadProbeValue;
 std::string this_host();
 // The hostname in a this_host() value.
 std::string host_name_of(const std::string& host);
+// The machine (hostname and boot id) in a this_host() value, without the
+// PID namespace.
+std::string machine_of(const std::string& host);
 // `host` for messages, as seen from `mine`: its hostname, and what tells it
 // apart where the two hostnames are the same.
 std::string describe_host(const std::string& host, const std::string& mine);

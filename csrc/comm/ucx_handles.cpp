@@ -1,6 +1,7 @@
 #include "comm/ucx_handles.h"
 
 #include "comm/error.h"
+#include "comm/ucx_config_defaults.h"
 
 namespace fsdp_ext::comm {
 
@@ -23,6 +24,7 @@ struct UcxConfigOwner {
 
 UcxContext::UcxContext(size_t estimated_endpoints) {
   UcxConfigOwner config;
+  apply_ucx_config_defaults(config.config);
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_ESTIMATED_NUM_EPS |
                       UCP_PARAM_FIELD_MT_WORKERS_SHARED;

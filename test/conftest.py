@@ -50,6 +50,12 @@ def pool2_without_small_ops():
     return get_pool(2, FSDP_EXT_SMALL_OPS="0")
 
 
+@pytest.fixture
+def pool2_without_shared_memory():
+    """Two ranks that keep to UCX messages (FSDP_EXT_SHARED_MEMORY=0), as across hosts."""
+    return get_pool(2, FSDP_EXT_SHARED_MEMORY="0")
+
+
 @pytest.fixture(params=[2, 3], ids=lambda n: f"ws{n}")
 def pool_without_shared_memory(request):
     """Ranks that keep to UCX messages (FSDP_EXT_SHARED_MEMORY=0), as across hosts."""

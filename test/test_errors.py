@@ -3,6 +3,7 @@ a missing peer becomes a timeout error; shutdown and exit are clean."""
 
 import datetime
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -207,12 +208,61 @@ def test_different_collectives_over_shared_memory_are_named(pool2):
     """Ranks that called different collectives are told so, by name, rather
     than that their sizes differ."""
     messages = pool2.run(check_different_collectives)
+    # The shared pieces' headers travel as UCX messages: whichever check sees
+    # the other collective first reports it (the headers' own check adds the
+    # all-reduce's phase).
     assert messages[0].startswith("fsdp_ext all_reduce (group "), messages
-    assert ("rank 1 is in an all-gather where this rank is in an all-reduce (its first phase) "
-            "(the ranks called different collectives") in messages[0], messages
+    assert re.search(r"rank 1 (\(host [^)]*\) )?is in an all-gather where this rank is in an "
+                     r"all-reduce( \(its first phase\))? \(the ranks called different collectives",
+                     messages[0]), messages
     assert messages[1].startswith("fsdp_ext all_gather_into_tensor (group "), messages
-    assert "rank 0 is in an all-reduce (its first phase) where this rank is in an all-gather" \
-        in messages[1], messages
+    assert re.search(r"rank 0 (\(host [^)]*\) )?is in an all-reduce( \(its first phase\))? where "
+                     r"this rank is in an all-gather", messages[1]), messages
+
+
+def check_different_collectives_of_one_size(ctx):
+    """Rank 0 all-reduces 4 KiB where rank 1 receives a 4 KiB broadcast from
+    rank 0, then rank 0 all-gathers where rank 1 reduce-scatters, 8 KiB each
+    way: sizes that agree, so only the ops' kinds tell them apart."""
+    messages = []
+    for first, second in ((lambda: dist.all_reduce(torch.ones(1024), group=group),
+                           lambda: dist.broadcast(torch.zeros(1024), 0, group=group)),
+                          (lambda: dist.all_gather_into_tensor(torch.empty(4096), torch.ones(2048),
+                                                               group=group),
+                           lambda: dist.reduce_scatter_tensor(torch.empty(2048), torch.ones(4096),
+                                                              group=group))):
+        group = dist.new_group(timeout=datetime.timedelta(seconds=4))
+        start = time.monotonic()
+        try:
+            (first if ctx.rank == 0 else second)()
+            messages.append(None)
+        except dist.DistBackendError as error:
+            messages.append((str(error), time.monotonic() - start))
+        dist.barrier(group=ctx.gloo_group)
+        dist.destroy_process_group(group)
+    return messages
+
+
+def test_different_collectives_over_messages_are_named(pool2_without_shared_memory):
+    """Over UCX messages (as between hosts) an all-reduce and a broadcast of
+    the same size used to exchange their data and return wrong results:
+    the receiving rank now names both collectives, within a second."""
+    outcomes = pool2_without_shared_memory.run(check_different_collectives_of_one_size)
+    # All-reduce against broadcast: the broadcast's receiver holds rank 0's
+    # all-reduce message; rank 0 waits for a part rank 1 never sends.
+    message, elapsed = outcomes[1][0]
+    assert message.startswith("fsdp_ext broadcast (group "), message
+    assert "rank 0 (host " in message and ("is in an all-reduce where this rank is in a "
+                                          "broadcast (the ranks called different collectives") \
+        in message, message
+    assert elapsed < 2, elapsed
+    assert outcomes[0][0] is not None, "rank 0's all-reduce completed against a broadcast"
+    # All-gather against reduce-scatter: both ranks hold the other's message.
+    kinds = ["an all-gather", "a reduce-scatter"]
+    for rank in range(2):
+        message, elapsed = outcomes[rank][1]
+        assert f"is in {kinds[1 - rank]} where this rank is in {kinds[rank]}" in message, message
+        assert elapsed < 2, elapsed
 
 
 @pytest.mark.parametrize("numel", [8, 100000], ids=["small_op_channel", "shared_memory"])

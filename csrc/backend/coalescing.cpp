@@ -1,6 +1,7 @@
 // Coalescing: collectives issued between startCoalescing and endCoalescing
 // (dist._coalescing_manager, FSDP's buckets) run as one fused engine op.
 #include "backend/fsdp_ext_backend.hpp"
+#include "backend/type_mapping.hpp"
 
 #include <c10/util/Exception.h>
 
@@ -56,6 +57,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::endCoalescing() {
   auto shared_members = std::make_shared<std::vector<CoalescedOp>>(std::move(members));
   comm::EngineOp op;
   op.name = "coalesced";
+  op.kind = collective_kind_of(op.name.c_str());
   op.collective = any_collective;
   op.timeout = timeout;
   op.body = coalesced_body(shared_members);

@@ -181,6 +181,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::enqueue(
   }
   comm::EngineOp op;
   op.name = label.op;
+  op.kind = collective_kind_of(label.op);
   op.collective = collective;
   op.timeout = timeout;
   op.body = std::move(body);

@@ -13,6 +13,7 @@
 #include <c10/util/Exception.h>
 
 #include "backend/fsdp_ext_backend.hpp"
+#include "backend/type_mapping.hpp"
 #include "comm/algorithms/small_ops.h"
 
 namespace fsdp_ext::backend {
@@ -58,6 +59,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::run_small(
   auto engine_op = [&](std::function<void(comm::OpContext&)> body) {
     comm::EngineOp op;
     op.name = label.op;
+    op.kind = collective_kind_of(label.op);
     op.collective = true;
     op.small_op = true;
     op.timeout = timeout;

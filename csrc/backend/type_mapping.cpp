@@ -2,9 +2,42 @@
 
 #include <c10/util/Exception.h>
 
+#include <cstring>
+
 #include "torch_compat.hpp"
 
 namespace fsdp_ext::backend {
+
+comm::CollectiveKind collective_kind_of(const char* op) {
+  using comm::CollectiveKind;
+  struct Entry {
+    const char* op;
+    CollectiveKind kind;
+  };
+  static constexpr Entry kKinds[] = {
+      {"all_reduce", CollectiveKind::kAllReduce},
+      {"all_reduce_coalesced", CollectiveKind::kAllReduceCoalesced},
+      {"all_gather", CollectiveKind::kAllGather},
+      {"all_gather_into_tensor", CollectiveKind::kAllGather},
+      {"all_gather_coalesced", CollectiveKind::kAllGatherCoalesced},
+      {"all_gather_into_tensor_coalesced", CollectiveKind::kAllGatherCoalesced},
+      {"reduce_scatter", CollectiveKind::kReduceScatter},
+      {"reduce_scatter_tensor", CollectiveKind::kReduceScatter},
+      {"reduce_scatter_tensor_coalesced", CollectiveKind::kReduceScatterCoalesced},
+      {"broadcast", CollectiveKind::kBroadcast},
+      {"reduce", CollectiveKind::kReduce},
+      {"gather", CollectiveKind::kGather},
+      {"scatter", CollectiveKind::kScatter},
+      {"all_to_all", CollectiveKind::kAllToAll},
+      {"all_to_all_single", CollectiveKind::kAllToAll},
+      {"barrier", CollectiveKind::kBarrier},
+      {"coalesced", CollectiveKind::kCoalescedBatch},
+  };
+  for (const Entry& entry : kKinds) {
+    if (std::strcmp(entry.op, op) == 0) return entry.kind;
+  }
+  return CollectiveKind::kUnnamed;
+}
 
 std::string dtype_name(at::ScalarType type) {
   switch (type) {

@@ -6,8 +6,14 @@
 
 #include "backend/op_label.hpp"
 #include "comm/algorithms/algorithms.h"
+#include "comm/collective_kind.h"
 
 namespace fsdp_ext::backend {
+
+// What a collective's messages say it is (comm/collective_kind.h), from the
+// name the op reports itself under ("all_gather_into_tensor", ...). Forms of
+// one collective share a kind; names that are not collectives get kUnnamed.
+comm::CollectiveKind collective_kind_of(const char* op);
 
 // "torch.float32" rather than c10's "Float": the name users write.
 std::string dtype_name(at::ScalarType type);

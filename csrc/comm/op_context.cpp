@@ -19,14 +19,16 @@ void* usable(void* data) { return data ? data : &zero_length_target; }
 
 OpContext::OpContext(ProgressEngine& engine, Transport& transport,
                      ScratchArena& scratch, std::string description, uint64_t seq,
-                     Clock::time_point deadline, std::chrono::milliseconds timeout)
+                     Clock::time_point deadline, std::chrono::milliseconds timeout,
+                     CollectiveKind kind)
     : engine_(engine),
       transport_(transport),
       scratch_(scratch),
       description_(std::move(description)),
       seq_(seq),
       deadline_(deadline),
-      timeout_(timeout) {}
+      timeout_(timeout),
+      kind_(kind) {}
 
 ChannelWait OpContext::channel_wait() const {
   ChannelWait wait;
@@ -45,8 +47,9 @@ ChannelWait OpContext::channel_wait() const {
 
 Request OpContext::send(int peer, uint32_t step, const void* data, size_t bytes) {
   Request request;
-  transport_.post_send(request, global(peer), tag::collective(seq_, step, transport_.rank()),
-                       usable(data), bytes);
+  transport_.post_send(request, global(peer),
+                       tag::collective(seq_, step, transport_.rank(), kind_), usable(data),
+                       bytes);
   request.step = step;
   return request;
 }
@@ -54,8 +57,8 @@ Request OpContext::send(int peer, uint32_t step, const void* data, size_t bytes)
 Request OpContext::recv(int peer, uint32_t step, void* data, size_t bytes) {
   Request request;
   request.peer = global(peer);
-  transport_.post_recv(request, tag::collective(seq_, step, global(peer)), tag::kMatchAll,
-                       usable(data), bytes);
+  request.posted_tag = tag::collective(seq_, step, global(peer), kind_);
+  transport_.post_recv(request, request.posted_tag, tag::kMatchAll, usable(data), bytes);
   request.step = step;
   return request;
 }
@@ -71,7 +74,8 @@ Request OpContext::recv_user(int peer, int user_tag, void* data, size_t bytes) {
   Request request;
   request.peer = peer;
   const bool any = peer < 0;
-  transport_.post_recv(request, tag::point_to_point(user_tag, any ? 0 : peer),
+  request.posted_tag = tag::point_to_point(user_tag, any ? 0 : peer);
+  transport_.post_recv(request, request.posted_tag,
                        any ? tag::kMatchAnySender : tag::kMatchAll, usable(data), bytes);
   return request;
 }
@@ -137,7 +141,7 @@ bool OpContext::spans_hosts() const {
 
 OpContext OpContext::sub_group(std::vector<int> members, SharedMemoryDomain* shared_memory) {
   OpContext phase(engine_, transport_, scratch_, description_, engine_.reserve_seqs(kSeqsPerPhase),
-                  deadline_, timeout_);
+                  deadline_, timeout_, kind_);
   phase.seq_end_ = phase.seq_ + kSeqsPerPhase;
   for (size_t i = 0; i < members.size(); ++i) {
     if (members[i] == transport_.rank()) phase.member_index_ = static_cast<int>(i);

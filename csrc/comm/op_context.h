@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/collective_kind.h"
 #include "comm/small_op_channel.h"
 #include "comm/transport.h"
 
@@ -30,7 +31,7 @@ class OpContext {
  public:
   OpContext(ProgressEngine& engine, Transport& transport, ScratchArena& scratch,
             std::string description, uint64_t seq, Clock::time_point deadline,
-            std::chrono::milliseconds timeout);
+            std::chrono::milliseconds timeout, CollectiveKind kind = CollectiveKind::kUnnamed);
 
   // This rank and the group size -- within the sub-group for a phase of a
   // hierarchical op (sub_group), where peers are named by their position.
@@ -39,6 +40,8 @@ class OpContext {
     return members_ ? static_cast<int>(members_->size()) : transport_.size();
   }
   uint64_t seq() const { return seq_; }
+  // What this op is, in its messages' tags (a phase keeps its op's kind).
+  CollectiveKind kind() const { return kind_; }
   const std::string& description() const { return description_; }
   Clock::time_point deadline() const { return deadline_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
@@ -124,6 +127,7 @@ class OpContext {
   uint64_t seq_;
   Clock::time_point deadline_;
   std::chrono::milliseconds timeout_;
+  CollectiveKind kind_;
   std::vector<Request> detached_;
   // Set for a sub-group: its members (global ranks), this rank's position,
   // its shared memory, and the end of its reserved sequence numbers.

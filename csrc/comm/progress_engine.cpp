@@ -35,6 +35,11 @@ constexpr auto kLossDrainMax = std::chrono::milliseconds(1000);
 // transport's error after it.
 constexpr auto kLossGrace = std::chrono::milliseconds(200);
 
+// How often a waiting collective looks for a peer's message of another kind
+// (Note [ranks that run different collectives]): a probe of UCX's unexpected
+// queue, off the path of an op whose messages keep arriving.
+constexpr auto kKindCheckInterval = std::chrono::milliseconds(1);
+
 template <typename Finished>
 bool drain_after_loss(Transport& transport, Finished&& finished) {
   const auto start = Clock::now();
@@ -246,6 +251,38 @@ std::string ProgressEngine::describe_unmatched(const std::vector<Request>& reque
   return text.empty() ? std::string("waiting for the peer") : text;
 }
 
+// Note [ranks that run different collectives]
+// Every collective message carries its op's kind in its tag, so a receive
+// never takes the bytes of another collective that a peer runs at the same
+// point (the same sequence number): before kinds were in the tags an
+// all-reduce on one rank and a broadcast of the same size on another
+// exchanged their data without a word. Such a message instead waits,
+// unmatched, in the worker; a rank whose collective is stuck on a receive
+// looks there (when idle, at most every kKindCheckInterval) for a message of
+// its own op from that peer with another kind, and fails naming both. A rank
+// that only sends (a broadcast's root) finds nothing and learns of the
+// mismatch from its timeout; the peer it sent to fails at once. Shared
+// memory has its own check (SharedExchangeKind).
+std::string ProgressEngine::describe_other_collective(const std::vector<Request>& requests) {
+  for (const Request& request : requests) {
+    if (request.finished || !request.is_recv || request.peer < 0 ||
+        (request.posted_tag & tag::kP2PBit) != 0) {
+      continue;
+    }
+    uint64_t found = 0;
+    if (!transport_->find_unexpected(request.posted_tag, tag::kMatchSeqAndSender, &found)) {
+      continue;
+    }
+    const CollectiveKind ours = tag::kind_of(request.posted_tag);
+    const CollectiveKind theirs = tag::kind_of(found);
+    if (theirs == ours) continue;  // a later step of the same op, early
+    return describe_peer(request.peer) + " is in " + collective_kind_name(theirs) +
+           " where this rank is in " + collective_kind_name(ours) +
+           " (the ranks called different collectives, or the same ones in another order)";
+  }
+  return "";
+}
+
 std::string ProgressEngine::explain_timeout() const {
   return config_.explain_timeout ? config_.explain_timeout(activity()) : std::string();
 }
@@ -391,7 +428,7 @@ void ProgressEngine::run_op(EngineOp& op) {
   scratch_->reset();
   const auto deadline = Clock::now() + op.timeout;
   OpContext context(*this, *transport_, *scratch_, description, seq, deadline,
-                    op.timeout);
+                    op.timeout, op.kind);
   running_ = &op;
   running_seq_ = seq;
   if (config_.small_ops && op.collective && !op.small_op) {
@@ -559,6 +596,7 @@ void ProgressEngine::wait_for(const std::string& description, Clock::time_point 
     throw CommError(kind, message);
   };
   IdleState idle = fresh_idle_state(/*progressed=*/false);
+  Clock::time_point next_kind_check{};
   for (;;) {
     const unsigned progressed = transport_->progress();
     if (finished()) break;
@@ -615,6 +653,12 @@ void ProgressEngine::wait_for(const std::string& description, Clock::time_point 
                  " runs this collective over UCX messages: the ranks' sizes differ, or a "
                  "forced FSDP_EXT_*_ALGO that not every rank set");
       }
+    }
+    // Note [ranks that run different collectives]
+    if (running_ != nullptr && running_->collective && now >= next_kind_check) {
+      next_kind_check = now + kKindCheckInterval;
+      const std::string other = describe_other_collective(requests);
+      if (!other.empty()) fail(ErrorKind::kMismatch, description + ": " + other);
     }
     // Point-to-point ops posted earlier complete while a collective waits.
     if (poll_in_flight(false)) continue;

@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/collective_kind.h"
 #include "comm/engine_wakeup.h"
 #include "comm/error.h"
 #include "comm/op_context.h"
@@ -52,6 +53,8 @@ struct OpOutcome {
 
 struct EngineOp {
   std::string name;           // e.g. "allreduce"; used in error messages
+  // Carried in the tags of the op's messages (comm/collective_kind.h).
+  CollectiveKind kind = CollectiveKind::kUnnamed;
   bool collective = true;     // collectives consume a sequence number
   std::chrono::milliseconds timeout{0};
   std::function<void(OpContext&)> body;
@@ -285,6 +288,9 @@ class ProgressEngine {
   // describing the first loss ("" while every peer is alive).
   const std::string& check_peers();
   Clock::time_point nearest_deadline() const;
+  // Note [ranks that run different collectives]: "rank 1 (...) is in a
+  // broadcast where this rank is in an all-reduce (...)", or "".
+  std::string describe_other_collective(const std::vector<Request>& requests);
 
   EngineConfig config_;
   std::unique_ptr<Transport> transport_;

@@ -220,6 +220,14 @@ void Transport::cancel(Request& request) {
   }
 }
 
+bool Transport::find_unexpected(uint64_t tag, uint64_t tag_mask, uint64_t* found_tag) {
+  ucp_tag_recv_info_t info{};
+  // remove=0: the message stays for the receive that may still come.
+  if (ucp_tag_probe_nb(worker_->get(), tag, tag_mask, 0, &info) == nullptr) return false;
+  *found_tag = info.sender_tag;
+  return true;
+}
+
 bool Transport::arm() {
   const ucs_status_t status = ucp_worker_arm(worker_->get());
   if (status == UCS_ERR_BUSY) return false;

@@ -27,6 +27,7 @@ struct Request {
   size_t bytes = 0;    // bytes posted
   size_t received = 0; // receives: bytes that actually arrived
   uint64_t matched_tag = 0;
+  uint64_t posted_tag = 0;  // receives: the tag asked for (with the sender's rank)
 };
 
 class Transport {
@@ -58,6 +59,9 @@ class Transport {
   bool test(Request& request);
   // Asks UCX to cancel a pending receive; it then finishes as canceled.
   void cancel(Request& request);
+  // The tag of a message that arrived and that no receive has taken yet,
+  // the first whose tag matches `tag` under `tag_mask`; false if none.
+  bool find_unexpected(uint64_t tag, uint64_t tag_mask, uint64_t* found_tag);
 
   unsigned progress() { return ucp_worker_progress(worker_->get()); }
   int event_fd() const { return worker_->event_fd(); }

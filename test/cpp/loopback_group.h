@@ -111,12 +111,14 @@ class LoopbackGroup {
   // Submits one op on `rank`; the future holds its outcome.
   std::future<OpOutcome> submit(int rank, const std::string& name, RankBody body,
                                 std::chrono::milliseconds timeout = kDefaultOpTimeout,
-                                bool collective = true) {
+                                bool collective = true,
+                                CollectiveKind kind = CollectiveKind::kUnnamed) {
     auto done = std::make_shared<std::promise<OpOutcome>>();
     auto future = done->get_future();
     EngineOp op;
     op.name = name;
     op.collective = collective;
+    op.kind = kind;
     op.timeout = timeout;
     op.body = [rank, body = std::move(body)](OpContext& context) { body(rank, context); };
     op.on_done = [done](const OpOutcome& outcome) { done->set_value(outcome); };

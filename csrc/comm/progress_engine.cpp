@@ -258,24 +258,34 @@ std::string ProgressEngine::describe_unmatched(const std::vector<Request>& reque
 // all-reduce on one rank and a broadcast of the same size on another
 // exchanged their data without a word. Such a message instead waits,
 // unmatched, in the worker; a rank whose collective is stuck on a receive
-// looks there (when idle, at most every kKindCheckInterval) for a message of
-// its own op from that peer with another kind, and fails naming both. A rank
-// that only sends (a broadcast's root) finds nothing and learns of the
-// mismatch from its timeout; the peer it sent to fails at once. Shared
-// memory has its own check (SharedExchangeKind).
+// looks there (when idle, at most every kKindCheckInterval) for the oldest
+// collective message from that peer, and fails naming both collectives when
+// it is of another kind and numbered within this op: from the op's sequence
+// number to the last one this op has taken so far (its phases take blocks
+// of them, and a peer in another collective may be in a phase of another
+// number). A message of a later op is not a mismatch: a peer whose part in
+// this op was only sends (eager, complete at once) may be ahead; but every
+// message it sent in this op reached this rank first (UCX matches one
+// sender's messages in order), so its later ops' messages never stand
+// before the one awaited here. A rank that only sends (a broadcast's root)
+// finds nothing and learns of the mismatch from its timeout; the peer it
+// sent to fails at once. Shared memory has its own check (SharedExchangeKind).
 std::string ProgressEngine::describe_other_collective(const std::vector<Request>& requests) {
+  const uint64_t first = running_seq_ & tag::kSeqMask;
+  const uint64_t span = (next_seq_.load(std::memory_order_relaxed) - running_seq_) & tag::kSeqMask;
   for (const Request& request : requests) {
     if (request.finished || !request.is_recv || request.peer < 0 ||
         (request.posted_tag & tag::kP2PBit) != 0) {
       continue;
     }
     uint64_t found = 0;
-    if (!transport_->find_unexpected(request.posted_tag, tag::kMatchSeqAndSender, &found)) {
+    if (!transport_->find_unexpected(request.posted_tag, tag::kMatchCollectiveSender, &found)) {
       continue;
     }
     const CollectiveKind ours = tag::kind_of(request.posted_tag);
     const CollectiveKind theirs = tag::kind_of(found);
     if (theirs == ours) continue;  // a later step of the same op, early
+    if (((tag::seq_of(found) - first) & tag::kSeqMask) >= span) continue;  // a later op
     return describe_peer(request.peer) + " is in " + collective_kind_name(theirs) +
            " where this rank is in " + collective_kind_name(ours) +
            " (the ranks called different collectives, or the same ones in another order)";

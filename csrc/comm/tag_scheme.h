@@ -31,8 +31,8 @@ constexpr int kKindShift = kSeqShift + 23;
 constexpr uint64_t kKindMask = 0xf;
 constexpr uint64_t kMatchAll = ~uint64_t{0};
 constexpr uint64_t kMatchAnySender = ~kRankMask;
-// Collective messages of one op from one sender, whatever their kind and step.
-constexpr uint64_t kMatchSeqAndSender = kP2PBit | (kSeqMask << kSeqShift) | kRankMask;
+// Collective messages from one sender, whatever their kind, op and step.
+constexpr uint64_t kMatchCollectiveSender = kP2PBit | kRankMask;
 static_assert(kCollectiveKindCount <= 16, "CollectiveKind has four bits in a tag");
 constexpr int kMaxRanks = 1 << kRankBits;
 constexpr uint32_t kMaxSteps = 1u << kStepBits;
@@ -52,6 +52,7 @@ inline uint64_t point_to_point(int user_tag, int sender) {
 }
 
 inline int sender_of(uint64_t t) { return static_cast<int>(t & kRankMask); }
+inline uint64_t seq_of(uint64_t t) { return (t >> kSeqShift) & kSeqMask; }
 inline CollectiveKind kind_of(uint64_t t) {
   return static_cast<CollectiveKind>((t >> kKindShift) & kKindMask);
 }

@@ -35,15 +35,16 @@ TEST(CollectiveKindTags, KindRoundTripsWithoutTouchingOtherFields) {
             tag::collective(7, 1, 2, CollectiveKind::kBroadcast));
 }
 
-TEST(CollectiveKindTags, SeqAndSenderMaskIgnoresKindAndStepOnly) {
+TEST(CollectiveKindTags, CollectiveSenderMaskKeepsOnlyTheSender) {
   const uint64_t posted = tag::collective(9, 0, 3, CollectiveKind::kAllGather);
   auto matches = [&](uint64_t incoming) {
-    return (incoming & tag::kMatchSeqAndSender) == (posted & tag::kMatchSeqAndSender);
+    return (incoming & tag::kMatchCollectiveSender) == (posted & tag::kMatchCollectiveSender);
   };
   EXPECT_TRUE(matches(tag::collective(9, 5, 3, CollectiveKind::kReduceScatter)));
-  EXPECT_FALSE(matches(tag::collective(10, 0, 3, CollectiveKind::kReduceScatter)));
-  EXPECT_FALSE(matches(tag::collective(9, 0, 4, CollectiveKind::kReduceScatter)));
+  EXPECT_TRUE(matches(tag::collective(10, 0, 3, CollectiveKind::kAllGather)));
+  EXPECT_FALSE(matches(tag::collective(9, 0, 4, CollectiveKind::kAllGather)));
   EXPECT_FALSE(matches(tag::point_to_point(0, 3)));
+  EXPECT_EQ(tag::seq_of(tag::collective(tag::kSeqMask + 12, 1, 2)), 11u);
 }
 
 // Each rank runs its own collective (and kind) as op #1 of a group whose
@@ -153,6 +154,47 @@ TEST(DifferentCollectives, AllGatherAgainstReduceScatterFailsBothRanksAtOnce) {
   for (int r = 0; r < 2; ++r) {
     EXPECT_LT(elapsed[r], timeout / 4) << "rank " << r << " waited for the timeout";
   }
+}
+
+TEST(DifferentCollectives, HostsInDifferentCollectivesFailAcrossTheColumns) {
+  // Two pretend hosts of two ranks: host 0 all-reduces while host 1
+  // all-gathers, each host in agreement with itself. Only the exchange
+  // between the hosts (UCX messages, inside a phase of the hierarchical op)
+  // sees both; it must carry the op's kind and report it.
+  LoopbackOptions options;
+  options.hosts = 2;
+  LoopbackGroup group(4, options);
+  std::vector<std::vector<float>> data(4, std::vector<float>(8192, 1.0f));
+  std::vector<std::vector<float>> gathered(4, std::vector<float>(4 * 2048));
+  std::vector<Divergent> ranks;
+  for (int r = 0; r < 4; ++r) {
+    if (r < 2) {
+      ranks.push_back({CollectiveKind::kAllReduce, [&, r](OpContext& c) {
+                         allreduce(c, MutableSpan{data[r].data(), 8192 * sizeof(float)}, kSum);
+                       }});
+    } else {
+      ranks.push_back({CollectiveKind::kAllGather, [&, r](OpContext& c) {
+                         std::vector<MutableSpan> outputs;
+                         for (int p = 0; p < 4; ++p) {
+                           outputs.push_back({gathered[r].data() + p * 2048, 2048 * sizeof(float)});
+                         }
+                         allgather(c, ConstSpan{data[r].data(), 2048 * sizeof(float)}, outputs);
+                       }});
+    }
+  }
+  std::vector<std::chrono::milliseconds> elapsed;
+  const auto timeout = std::chrono::milliseconds(4000);
+  const auto outcomes = run_divergent(group, ranks, timeout, &elapsed);
+  int reported = 0;
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_FALSE(outcomes[r].ok) << "rank " << r << " completed against another collective";
+    if (outcomes[r].kind == ErrorKind::kMismatch &&
+        outcomes[r].message.find("(the ranks called different collectives") != std::string::npos) {
+      ++reported;
+      EXPECT_LT(elapsed[r], timeout / 2) << outcomes[r].message;
+    }
+  }
+  EXPECT_GE(reported, 1) << outcomes[0].message << "\n" << outcomes[2].message;
 }
 
 }  // namespace

@@ -24,4 +24,16 @@ using PreMulSumSupplement = c10d::NCCLPreMulSumSupplement;
 inline c10d::ReduceOp make_premul_sum(double factor) { return c10d::makeNCCLPreMulSum(factor); }
 #endif
 
+// torch 2.15: a parameter's gradient dtype is a policy of its own
+// (Tensor.grad_dtype, and _has_grad_dtype_override to tell "set" from
+// "unset"), and FSDP follows it: with MixedPrecisionPolicy.reduce_dtype
+// unset, gradients are reduced in the promotion of each parameter's gradient
+// dtype (its original dtype unless set), a group may mix gradient dtypes,
+// and each reduced shard is cast back to its parameter's gradient dtype;
+// reduce_dtype is kept even where it equals param_dtype. 2.11-2.14 reduce in
+// reduce_dtype (dropped where it equals param_dtype) or else in the
+// gradients' own dtype, which must agree, and cast every shard to the
+// parameters' dtype.
+constexpr bool kGradDtypePolicies = FSDP_EXT_TORCH_AT_LEAST(2, 15);
+
 }  // namespace fsdp_ext::torch_compat

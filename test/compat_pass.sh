@@ -36,13 +36,14 @@ PYTHON=${PYTHON:-python3}
 # (reset_iter_state, prefetching, ...) against upstream, bad input and
 # errors, the collectives and what torch's tools expect of a backend against
 # gloo, the copy kernels (their device
-# implementations on host tensors: this torch's ATen ops), and the CUDA files
-# (collected; they skip without a GPU).
+# implementations on host tensors: this torch's ATen ops), the CUDA files
+# (collected; they skip without a GPU), and the dtypes per parameter (2.15's;
+# skipped on 2.11).
 COMPAT_TESTS=(test/test_drop_in.py test/test_fully_shard_api.py test/test_fully_shard_surface.py
               test/test_fully_shard_training.py test/test_fully_shard_runtime.py
               test/test_training.py test/test_errors.py test/test_collectives.py
               test/test_c10d_conformance.py test/test_fsdp_copy_kernels.py test/test_cuda.py
-              test/test_cuda_fsdp.py)
+              test/test_cuda_fsdp.py test/test_fully_shard_dtypes.py)
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} UCX_TLS=${UCX_TLS:-self,sm,tcp}
 export UCX_LOG_LEVEL=${UCX_LOG_LEVEL:-error}
 

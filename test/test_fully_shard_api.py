@@ -369,22 +369,6 @@ def check_newer_torch_features(ctx):
             call()
         return f"{type(info.value).__name__}: {info.value}"
 
-    import dataclasses
-
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    if "param_dtype_override_fn" in {f.name for f in dataclasses.fields(MixedPrecisionPolicy)}:
-        # torch 2.15's dtypes per parameter: refused, not ignored.
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                      param_dtype_override_fn=lambda p: None)
-        refused = message(lambda: torch_fsdp_ext.fully_shard(nn.Linear(2, 2), mp_policy=policy))
-        assert refused.startswith("NotImplementedError: torch_fsdp_ext.fully_shard(Linear): "
-                                  "MixedPrecisionPolicy.param_dtype_override_fn"), refused
-        linear = nn.Linear(2, 2)
-        linear.weight.grad_dtype = torch.float64
-        refused = message(lambda: torch_fsdp_ext.fully_shard(linear))
-        assert "explicit grad_dtype (weight)" in refused, refused
-        assert not isinstance(linear.weight, torch.distributed.tensor.DTensor)  # untouched
     invalid = ("not a placement",)
     ours = message(lambda: torch_fsdp_ext.fully_shard(
         nn.Linear(2, 2), shard_placement_fn=lambda p: invalid))

@@ -908,12 +908,16 @@ class EPTPLinear(nn.Linear):
 
 @pytest.mark.parametrize("backend,precision,layout", [
     ("fsdp_ext", "fp32", "fsdp"), ("gloo", "fp32", "fsdp"), ("fsdp_ext", "bf16", "fsdp"),
-    ("fsdp_ext", "bf16-no-sync", "fsdp"), ("fsdp_ext", "fp32", "hsdp"),
+    ("fsdp_ext", "bf16-no-sync", "fsdp"), ("fsdp_ext", "bf16-reduce-unset", "fsdp"),
+    ("fsdp_ext", "fp32", "hsdp"),
     ("fsdp_ext", "fp32", "ep_tp"),
 ])
 def test_fsdp_with_tensor_parallel_matches_upstream(backend, precision, layout):
     """FSDP + TP on a 2x2 (dp, tp) mesh; HSDP + TP on (replicate 2, shard 1,
-    tp 2); an EP+TP parameter on (dp 2, ep 2, tp 1)."""
+    tp 2); an EP+TP parameter on (dp 2, ep 2, tp 1). "bf16-reduce-unset":
+    from torch 2.15 gradients are reduced in fp32 then, and the row-parallel
+    bias (Replicate on tp, its gradient Partial) takes fp32 gradients from
+    autograd, so TP's all-reduce of it runs in fp32 too, as upstream's."""
     results = get_pool(4).run(_train_fsdp_tp, backend, precision, layout)
     for rank, rank_result in enumerate(results):
         ours, upstream = rank_result["ours"], rank_result["upstream"]
@@ -970,8 +974,10 @@ def _train_fsdp_tp(ctx, backend, precision, layout):
     dp_mesh = mesh["rep", "shard"] if layout == "hsdp" else mesh["dp"]
     # Ranks of one TP/EP group see the same batch.
     dp_rank = ctx.rank // 2
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if precision.startswith("bf16") else MixedPrecisionPolicy())
+    mp = MixedPrecisionPolicy()
+    if precision.startswith("bf16"):
+        reduce_dtype = None if precision == "bf16-reduce-unset" else torch.float32
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     # "-no-sync": two microbatches per step, the first without gradient sync
     # (bf16 gradients accumulate in fp32, TP gradients unwrapped first).
     microbatches = 2 if precision.endswith("no-sync") else 1

@@ -21,11 +21,14 @@ except ImportError:
     DataParallelMeshDims = None
 
 
-# torch 2.15: MixedPrecisionPolicy(param_dtype=..., reduce_dtype=None) reduces
-# gradients in the parameters' original dtype (upcast from param_dtype as they
-# are copied into the reduce-scatter input), where 2.11-2.14 reduce them in
-# param_dtype.
-UNSET_REDUCE_DTYPE_IS_ORIGINAL_DTYPE = TORCH_VERSION >= (2, 15)
+# torch 2.15: every parameter has a gradient dtype policy (Tensor.grad_dtype,
+# and _has_grad_dtype_override telling "set" from "unset"), which FSDP follows;
+# MixedPrecisionPolicy(reduce_dtype=None) then reduces in the parameters'
+# gradient dtypes (their original dtype unless set), where 2.11-2.14 reduce in
+# param_dtype; and MixedPrecisionPolicy.param_dtype_override_fn gives a
+# parameter a param_dtype of its own. The runtime's side of it is
+# csrc/torch_compat.hpp's kGradDtypePolicies.
+PER_PARAMETER_DTYPES = TORCH_VERSION >= (2, 15)
 
 # torch 2.15: FSDPModule.reset_iter_state also drops the sharded gradients
 # (the failed iteration's), where 2.11-2.14 keep them.

@@ -10,6 +10,7 @@
 
 #include "fsdp/host_block_cache.hpp"
 #include "fsdp/shard_extent.hpp"
+#include "torch_compat.hpp"
 
 namespace fsdp_ext::fsdp {
 namespace {
@@ -43,6 +44,25 @@ py::object make_dtensor(const at::Tensor& local, const py::object& spec) {
 }
 
 at::Tensor unpack(const py::object& tensor) { return THPVariable_Unpack(tensor.ptr()); }
+
+// `spec` (a DTensorSpec) describing a tensor of `dtype`: its tensor_meta
+// carries the dtype.
+py::object spec_with_dtype(const py::object& spec, at::ScalarType dtype) {
+  py::object meta = spec.attr("tensor_meta");
+  py::object wanted = py::cast(dtype);
+  if (meta.is_none() || py::object(meta.attr("dtype")).equal(wanted)) return spec;
+  static py::object* replace = new py::object(py::module_::import("dataclasses").attr("replace"));
+  static py::object* tensor_meta = new py::object(
+      py::module_::import("torch.distributed.tensor._dtensor_spec").attr("TensorMeta"));
+  return (*replace)(spec, py::arg("tensor_meta") = (*tensor_meta)(meta.attr("shape"),
+                                                                  meta.attr("stride"), wanted));
+}
+
+// Whether `a` is a floating-point dtype that holds every value of the
+// floating-point dtype `b` (a larger one: fp32 over bf16 and fp16).
+bool wider_floating(at::ScalarType a, at::ScalarType b) {
+  return at::isFloatingType(a) && at::isFloatingType(b) && c10::elementSize(a) > c10::elementSize(b);
+}
 
 // Storage is released and re-allocated in place, so every view of it (the
 // unsharded parameter, tensors autograd saved in forward) sees the new bytes.
@@ -84,6 +104,7 @@ FsdpParam::FsdpParam(std::string fqn, std::vector<ModuleSlot> slots, py::object 
                     "fsdp_ext FsdpParam ", fqn_, ": shard dim ", shard_dim_, " is invalid for a ",
                     orig_size_.size(), "-D parameter");
   spec_ = sharded_param_.attr("_spec");
+  capture_grad_dtype_policy(sharded_param_);
   register_on_modules(sharded_param_);
 }
 
@@ -124,6 +145,9 @@ void FsdpParam::to_sharded_post_forward(int64_t rank, int64_t world, const py::o
   at::Tensor local = post_forward_data_.as_strided(size, c10::contiguous_strides(size), 0);
   post_forward_param_ = parameter_class()(make_dtensor(local, spec),
                                           py::arg("requires_grad") = requires_grad());
+  if (grad_dtype_policy_.overridden) {
+    post_forward_param_.attr("grad_dtype") = py::cast(grad_dtype_policy_.dtype);
+  }
   register_on_modules(post_forward_param_);
   release_unsharded_storage();
   state_ = ShardedState::kShardedPostForward;
@@ -153,14 +177,60 @@ void FsdpParam::init_dtype_attrs(std::optional<at::ScalarType> param_dtype,
 }
 
 void FsdpParam::clamp_dtypes() {
-  // reduce_dtype is compared with the policy's param_dtype before that is
-  // clamped, as upstream does: with param_dtype == reduce_dtype == the
-  // parameter's dtype, neither casts.
-  reduce_dtype_ = policy_reduce_dtype_ == policy_param_dtype_ ? std::nullopt : policy_reduce_dtype_;
+  // Before torch 2.15, reduce_dtype is compared with the policy's param_dtype
+  // before that is clamped, as upstream does: with param_dtype ==
+  // reduce_dtype == the parameter's dtype, neither casts.
+  const std::optional<at::ScalarType> param_dtype = param_dtype_override_ ? param_dtype_override_
+                                                                          : policy_param_dtype_;
+  const bool keeps_reduce_dtype =
+      torch_compat::kGradDtypePolicies || policy_reduce_dtype_ != param_dtype;
+  reduce_dtype_ = keeps_reduce_dtype ? policy_reduce_dtype_ : std::nullopt;
   const bool floating = at::isFloatingType(orig_dtype());
-  param_dtype_ = (policy_param_dtype_ == orig_dtype() || !floating) ? std::nullopt
-                                                                     : policy_param_dtype_;
+  param_dtype_ = (param_dtype == orig_dtype() || !floating) ? std::nullopt : param_dtype;
   drop_unsharded_of_stale_dtype();
+  apply_unsharded_grad_dtype();
+}
+
+std::optional<at::ScalarType> FsdpParam::sharded_grad_dtype() const {
+  return grad_dtype_policy_.overridden ? grad_dtype_policy_.dtype
+                                       : std::optional<at::ScalarType>(orig_dtype());
+}
+
+std::optional<at::ScalarType> FsdpParam::unsharded_grad_dtype() const {
+  if (reduce_dtype_ || !torch_compat::kGradDtypePolicies) return reduce_dtype_;
+  return sharded_grad_dtype();
+}
+
+void FsdpParam::capture_grad_dtype_policy(const py::object& param) {
+  if (!torch_compat::kGradDtypePolicies) return;
+  if (!py::cast<bool>(param.attr("_has_grad_dtype_override"))) return;
+  grad_dtype_policy_.overridden = true;
+  grad_dtype_policy_.dtype = py::cast<std::optional<at::ScalarType>>(param.attr("grad_dtype"));
+}
+
+// Note [a wider gradient dtype]
+// A gradient whose unsharded grad dtype is wider than the dtype its
+// parameter computes in (fp32 for bf16) comes from autograd in the compute
+// dtype and is upcast where it is copied into the reduce-scatter input, or
+// into the accumulator without sync (to_accumulated_grad_if_needed): one
+// cast, and no wide copy held through backward. Upstream (torch 2.15) defers
+// the upcast the same way, clearing the unsharded parameter's grad_dtype for
+// the backward. Every other unsharded grad dtype becomes the unsharded
+// parameter's grad_dtype, so autograd produces and accumulates gradients in
+// it, as upstream's: a narrower one (fp32 compute, reduce_dtype=bf16) rounds
+// each microbatch's gradient before it is added to the others; None lets a
+// gradient of any dtype through; and a tensor-parallel parameter whose
+// gradient is reduced over TP first (set_reduces_grad_outside_dp) gets it in
+// the wider dtype, so that reduction runs in it too.
+void FsdpParam::apply_unsharded_grad_dtype() {
+  if (!torch_compat::kGradDtypePolicies || !unsharded_param_) return;
+  const at::ScalarType compute = unsharded_dtype();
+  std::optional<at::ScalarType> grad = unsharded_grad_dtype();
+  if (grad && wider_floating(*grad, compute) && !reduces_grad_outside_dp_) grad = compute;
+  py::object wanted = grad ? py::cast(*grad) : py::none();
+  if (!py::object(unsharded_param_.attr("grad_dtype")).equal(wanted)) {
+    unsharded_param_.attr("grad_dtype") = wanted;
+  }
 }
 
 void FsdpParam::drop_unsharded_of_stale_dtype() {
@@ -223,6 +293,7 @@ void FsdpParam::init_unsharded_param() {
     py::object tensor = extension_.attr("unsharded")(dtype, py::none());
     unsharded_param_ = parameter_class()(tensor, py::arg("requires_grad") = requires_grad());
     unsharded_tensor_ = unpack(unsharded_param_);
+    apply_unsharded_grad_dtype();
     return;
   }
   if (unsharded_tensor_.defined()) return;
@@ -230,22 +301,21 @@ void FsdpParam::init_unsharded_param() {
               ": init_unsharded_param before the first all-gather");
   at::Tensor view = all_gather_output_.as_strided(orig_size_, c10::contiguous_strides(orig_size_),
                                                   all_gather_output_.storage_offset());
-  py::object data = is_dtensor() ? make_dtensor(view, unsharded_spec_with_dtype())
+  py::object data = is_dtensor() ? make_dtensor(view, spec_with_dtype(unsharded_spec_,
+                                                                      unsharded_dtype()))
                                  : py::reinterpret_steal<py::object>(THPVariable_Wrap(view));
   unsharded_param_ = parameter_class()(data, py::arg("requires_grad") = requires_grad());
   unsharded_tensor_ = unpack(unsharded_param_);
+  apply_unsharded_grad_dtype();
 }
 
-py::object FsdpParam::unsharded_spec_with_dtype() const {
-  py::object meta = unsharded_spec_.attr("tensor_meta");
-  py::object dtype = py::cast(unsharded_dtype());
-  if (meta.is_none() || py::object(meta.attr("dtype")).equal(dtype)) return unsharded_spec_;
-  static py::object* replace = new py::object(py::module_::import("dataclasses").attr("replace"));
-  static py::object* tensor_meta = new py::object(
-      py::module_::import("torch.distributed.tensor._dtensor_spec").attr("TensorMeta"));
-  return (*replace)(unsharded_spec_,
-                    py::arg("tensor_meta") = (*tensor_meta)(meta.attr("shape"),
-                                                            meta.attr("stride"), dtype));
+const py::object& FsdpParam::grad_spec(at::ScalarType dtype) {
+  if (dtype == orig_dtype()) return spec_;
+  if (!grad_spec_ || grad_spec_dtype_ != dtype) {
+    grad_spec_ = spec_with_dtype(spec_, dtype);
+    grad_spec_dtype_ = dtype;
+  }
+  return grad_spec_;
 }
 
 at::Tensor FsdpParam::local_grad(at::Tensor grad) const {
@@ -284,10 +354,11 @@ void FsdpParam::accumulate_unsharded_grad_if_needed() {
 }
 
 void FsdpParam::to_accumulated_grad_if_needed() {
-  if (!reduce_dtype_ || !unsharded_tensor_.defined()) return;
+  const std::optional<at::ScalarType> dtype = unsharded_grad_dtype();
+  if (!dtype || !unsharded_tensor_.defined()) return;
   at::Tensor& grad = unsharded_tensor_.mutable_grad();
-  if (!grad.defined() || grad.scalar_type() == *reduce_dtype_) return;
-  accumulated_grad_ = std::exchange(grad, at::Tensor()).to(*reduce_dtype_);
+  if (!grad.defined() || grad.scalar_type() == *dtype) return;
+  accumulated_grad_ = std::exchange(grad, at::Tensor()).to(*dtype);
 }
 
 void FsdpParam::accumulate_sharded_grad(const at::Tensor& shard) {
@@ -297,7 +368,7 @@ void FsdpParam::accumulate_sharded_grad(const at::Tensor& shard) {
     py::object existing = py::reinterpret_steal<py::object>(THPVariable_Wrap(grad));
     unpack(existing.attr("_local_tensor")).add_(shard);
   } else {
-    grad = unpack(make_dtensor(shard, spec_));
+    grad = unpack(make_dtensor(shard, grad_spec(shard.scalar_type())));
   }
   // The parameter's post-accumulate-grad hooks, read from the tensor object
   // itself (the field behind `_post_accumulate_grad_hooks`): this runs per
@@ -314,8 +385,19 @@ void FsdpParam::accumulate_sharded_grad(const at::Tensor& shard) {
 void FsdpParam::reset_sharded_param() {
   const ModuleSlot& owner = slots_.front();
   py::object param = py::reinterpret_borrow<py::dict>(owner.parameters)[owner.name];
-  if (!param.is(sharded_param_)) sharded_param_ = param;
+  // A grad_dtype set on the sharded parameter since (or on the one that
+  // replaced it) is the policy from now on; a parameter rebuilt without one
+  // (Module._apply, load_state_dict(assign=True)) gets the policy back.
+  capture_grad_dtype_policy(sharded_param_);
+  if (!param.is(sharded_param_)) {
+    capture_grad_dtype_policy(param);
+    sharded_param_ = param;
+  }
+  if (grad_dtype_policy_.overridden && !py::cast<bool>(param.attr("_has_grad_dtype_override"))) {
+    param.attr("grad_dtype") = py::cast(grad_dtype_policy_.dtype);
+  }
   spec_ = sharded_param_.attr("_spec");
+  grad_spec_ = py::object();
   at::Tensor local = unpack(sharded_param_.attr("_local_tensor"));
   if (local.is_meta()) return;
   const bool backed = !padded_sharded_data_.is_meta() &&

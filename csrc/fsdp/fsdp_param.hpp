@@ -18,9 +18,22 @@
 //                     unsharded_accumulated_grad).
 //
 // Mixed precision follows upstream's FSDPParam.init_dtype_attrs: the policy's
-// param_dtype is dropped where it equals the parameter's dtype or the
-// parameter is not floating point, and reduce_dtype where it equals
-// param_dtype (gradients already arrive in it).
+// param_dtype (torch 2.15: or this parameter's answer of
+// param_dtype_override_fn) is dropped where it equals the parameter's dtype or
+// the parameter is not floating point; before torch 2.15 reduce_dtype is
+// dropped where it equals param_dtype (gradients already arrive in it).
+//
+// Gradient dtypes (torch 2.15 gives each parameter a grad_dtype policy:
+// torch_compat::kGradDtypePolicies):
+//   sharded grad dtype    what the reduced shard is cast to and accumulated
+//                         in: the parameter's grad_dtype where one was set
+//                         (None: left in the reduce dtype), else its original
+//                         dtype;
+//   unsharded grad dtype  what the gradient is reduced (the group promotes
+//                         over its parameters) and accumulated without sync
+//                         in: reduce_dtype where set, else the sharded grad
+//                         dtype. Before 2.15: reduce_dtype, else the
+//                         gradient's own dtype (nullopt).
 //
 // A parameter that is already a DTensor (tensor parallelism) is sharded by
 // its local tensor; `unsharded_spec` is then its original (TP) DTensorSpec:
@@ -89,11 +102,28 @@ class FSDP_EXT_HIDDEN FsdpParam {
   // the file comment. Kept across reset_sharded_param (a dtype change).
   void init_dtype_attrs(std::optional<at::ScalarType> param_dtype,
                         std::optional<at::ScalarType> reduce_dtype);
+  // torch 2.15's MixedPrecisionPolicy.param_dtype_override_fn, asked once at
+  // fully_shard: this parameter's param_dtype in place of the policy's
+  // (nullopt: the policy's).
+  void set_param_dtype_override(std::optional<at::ScalarType> dtype) {
+    param_dtype_override_ = dtype;
+  }
+  std::optional<at::ScalarType> param_dtype_override() const { return param_dtype_override_; }
   at::ScalarType orig_dtype() const { return padded_sharded_data_.scalar_type(); }
   std::optional<at::ScalarType> param_dtype() const { return param_dtype_; }
   std::optional<at::ScalarType> reduce_dtype() const { return reduce_dtype_; }
   // The dtype of the all-gather and of the unsharded parameter.
   at::ScalarType unsharded_dtype() const { return param_dtype_.value_or(orig_dtype()); }
+  // The gradient dtypes of the file comment (nullopt: any, the reduce dtype).
+  std::optional<at::ScalarType> sharded_grad_dtype() const;
+  std::optional<at::ScalarType> unsharded_grad_dtype() const;
+  // Whether the sharded parameter has a grad_dtype of its own (torch 2.15).
+  bool has_grad_dtype_override() const { return grad_dtype_policy_.overridden; }
+  // A tensor-parallel parameter whose gradient may be reduced over a mesh dim
+  // outside data parallelism (a Replicate placement there: its Partial
+  // gradient is all-reduced over TP before FSDP reduces it), in the
+  // gradient's dtype: Note [a wider gradient dtype] in the .cpp.
+  void set_reduces_grad_outside_dp(bool reduces) { reduces_grad_outside_dp_ = reduces; }
 
   // The flat tensor this rank contributes to the next all-gather.
   const at::Tensor& all_gather_input() const;
@@ -135,7 +165,9 @@ class FSDP_EXT_HIDDEN FsdpParam {
   void set_keep_unsharded_storage(bool keep) { keep_unsharded_storage_ = keep; }
 
   // Zeros shaped and typed as the unsharded parameter: the gradient of an
-  // unused parameter under set_reduce_scatter_unused_params.
+  // unused parameter under set_reduce_scatter_unused_params. (The reduce
+  // dtype does not depend on their dtype: with a parameter whose gradient
+  // dtype is any, the group refuses unused parameters without reduce_dtype.)
   at::Tensor zero_unsharded_grad() const { return local_grad(at::zeros_like(unsharded_tensor_)); }
   // The gradient to reduce (undefined if none): the reduce-dtype accumulator
   // if one exists, else the unsharded parameter's .grad (which becomes None).
@@ -148,9 +180,9 @@ class FSDP_EXT_HIDDEN FsdpParam {
   // dtype into a fresh accumulator cast to reduce_dtype.
   void accumulate_unsharded_grad_if_needed();
   void to_accumulated_grad_if_needed();
-  // Adds `shard` (this rank's reduced gradient, sharded_size) into the sharded
-  // parameter's DTensor gradient, creating it if absent, then runs the
-  // parameter's post-accumulate-grad hooks.
+  // Adds `shard` (this rank's reduced gradient, sharded_size, in the sharded
+  // grad dtype) into the sharded parameter's DTensor gradient, creating it if
+  // absent, then runs the parameter's post-accumulate-grad hooks.
   void accumulate_sharded_grad(const at::Tensor& shard);
 
   // Re-reads the parameter from its module (load_state_dict(assign=True),
@@ -185,8 +217,15 @@ class FSDP_EXT_HIDDEN FsdpParam {
   // A gradient of the unsharded parameter as the plain tensor to reduce
   // (DTensor parameters: its local tensor in the TP placements).
   at::Tensor local_grad(at::Tensor grad) const;
-  // unsharded_spec_ with the unsharded dtype (mixed precision changes it).
-  py::object unsharded_spec_with_dtype() const;
+  // The gradient DTensor's spec for a shard of `dtype` (spec_ unless the
+  // gradient dtype differs from the parameter's; the last other one is kept).
+  const py::object& grad_spec(at::ScalarType dtype);
+  // The unsharded parameter's grad_dtype (Note [a wider gradient dtype]).
+  void apply_unsharded_grad_dtype();
+  // Reads the sharded parameter's grad_dtype policy where it has one set
+  // (Tensor._has_grad_dtype_override, torch 2.15); an unset one changes
+  // nothing (a parameter rebuilt by Module._apply lost it).
+  void capture_grad_dtype_policy(const py::object& param);
   void register_on_modules(const py::object& param);
   // Forgets the all-gather output and the unsharded parameter when they no
   // longer have the unsharded dtype (policy or parameter dtype changed).
@@ -204,13 +243,22 @@ class FSDP_EXT_HIDDEN FsdpParam {
   int64_t shard_world_size_;
   int64_t shard_dim_;
   ShardedState state_ = ShardedState::kSharded;
-  std::optional<at::ScalarType> policy_param_dtype_;   // as the policy says
+  std::optional<at::ScalarType> param_dtype_override_;  // param_dtype_override_fn's
+  std::optional<at::ScalarType> policy_param_dtype_;    // as the policy says (or the override)
   std::optional<at::ScalarType> policy_reduce_dtype_;
-  std::optional<at::ScalarType> param_dtype_;          // clamped
+  std::optional<at::ScalarType> param_dtype_;           // clamped
   std::optional<at::ScalarType> reduce_dtype_;
+  struct GradDtypePolicy {
+    bool overridden = false;              // grad_dtype set on the parameter
+    std::optional<at::ScalarType> dtype;  // with overridden: nullopt is None, any dtype
+  };
+  GradDtypePolicy grad_dtype_policy_;
+  bool reduces_grad_outside_dp_ = false;
 
   py::object sharded_param_;  // nn.Parameter(DTensor)
   py::object spec_;            // its DTensorSpec, for gradient DTensors
+  py::object grad_spec_;       // spec_ for gradients of another dtype (grad_spec),
+  at::ScalarType grad_spec_dtype_ = at::kFloat;  // that dtype
   at::Tensor padded_sharded_data_;  // 1-D
 
   at::Tensor all_gather_output_;  // 1-D, world * padded numel

@@ -12,6 +12,7 @@
 #include "fsdp/copy_kernels.hpp"
 #include "fsdp/event_trace.hpp"
 #include "fsdp/profiler_range.hpp"
+#include "torch_compat.hpp"
 
 namespace fsdp_ext::fsdp {
 namespace {
@@ -45,6 +46,7 @@ FsdpParamGroup::FsdpParamGroup(std::vector<std::shared_ptr<FsdpParam>> params,
   TORCH_CHECK_VALUE(shard_group_ || replicate_group_,
                     "fsdp_ext FsdpParamGroup: neither a shard nor a replicate process group");
   TORCH_CHECK_VALUE(!params_.empty(), "fsdp_ext FsdpParamGroup: no parameters");
+  for (size_t i = 0; i < params_.size(); ++i) reduce_order_.push_back(i);
 }
 
 void FsdpParamGroup::init_mp_dtypes(std::optional<at::ScalarType> param_dtype,
@@ -71,8 +73,22 @@ void FsdpParamGroup::init_mp_dtypes(std::optional<at::ScalarType> param_dtype,
     for (const auto& dtype : reduce_dtypes) named.push_back(dtype.value_or(at::kFloat));
     raise_assertion("FSDP expects uniform reduce dtype but got " + dtype_set(named));
   }
-  orig_dtype_ = orig_dtypes.empty() ? std::nullopt : std::optional(orig_dtypes.front());
   reduce_dtype_ = reduce_dtypes.empty() ? std::nullopt : reduce_dtypes.front();
+  // The reduction order: parameters of one sharded grad dtype together, the
+  // dtypes in the order they first appear.
+  std::vector<std::optional<at::ScalarType>> grad_dtypes;
+  for (const auto& param : params_) {
+    if (std::find(grad_dtypes.begin(), grad_dtypes.end(), param->sharded_grad_dtype()) ==
+        grad_dtypes.end()) {
+      grad_dtypes.push_back(param->sharded_grad_dtype());
+    }
+  }
+  reduce_order_.clear();
+  for (const auto& dtype : grad_dtypes) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (params_[i]->sharded_grad_dtype() == dtype) reduce_order_.push_back(i);
+    }
+  }
 }
 
 void FsdpParamGroup::set_reshard_after_forward(bool reshard, CollectiveGroup post_forward_group,
@@ -598,9 +614,11 @@ void FsdpParamGroup::post_backward() {
   std::optional<ProfilerRange> reshard_range;
   reshard_range.emplace([&] { return profile_label("FSDP::post_backward_reshard"); });
   if (options_.reduce_grads) {
+    if (options_.reduce_scatter_unused_params) check_unused_param_grad_dtypes();
     // Take the gradients before resharding; they stay valid without the
     // unsharded storage.
-    for (const auto& param : params_) {
+    for (size_t index : reduce_order_) {
+      const std::shared_ptr<FsdpParam>& param = params_[index];
       at::Tensor grad = param->take_unsharded_grad();
       if (!grad.defined() && options_.reduce_scatter_unused_params &&
           param->has_unsharded_param() && param->requires_grad()) {
@@ -639,16 +657,53 @@ void FsdpParamGroup::post_backward() {
   EventTrace::emit(TraceEvent::kPostBackward, module_fqn_, training_state_);
 }
 
+void FsdpParamGroup::check_unused_param_grad_dtypes() const {
+  if (!torch_compat::kGradDtypePolicies || reduce_dtype_) return;
+  for (const auto& param : params_) {
+    TORCH_CHECK_VALUE(!param->requires_grad() || param->unsharded_grad_dtype(),
+                      "fsdp_ext fully_shard(", module_fqn_, "): set_reduce_scatter_unused_params "
+                      "needs MixedPrecisionPolicy.reduce_dtype where a parameter's grad_dtype is "
+                      "None (", param->fqn(), "): the zeros an unused parameter contributes must "
+                      "have one dtype on every rank. Set reduce_dtype to the dtype its gradients "
+                      "have.");
+  }
+}
+
+at::ScalarType FsdpParamGroup::reduce_dtype_of(
+    const std::vector<std::shared_ptr<FsdpParam>>& params,
+    const std::vector<at::Tensor>& grads) const {
+  if (!torch_compat::kGradDtypePolicies) {
+    // Checked at run time, as upstream does: a real error when, say, fp8
+    // weights do not produce gradients of the higher precision.
+    const at::ScalarType grad_dtype = grads.front().scalar_type();
+    for (const at::Tensor& grad : grads) {
+      if (grad.scalar_type() != grad_dtype) {
+        raise_assertion("FSDP reduce-scatter expects uniform gradient dtype but got " +
+                        dtype_set({grad_dtype, grad.scalar_type()}) + " in " + module_fqn_);
+      }
+    }
+    return reduce_dtype_.value_or(grad_dtype);
+  }
+  if (reduce_dtype_) return *reduce_dtype_;
+  // The unsharded grad dtypes agree across ranks, where gradients may not (a
+  // fresh gradient is not upcast yet: Note [a wider gradient dtype]). The
+  // held partial sum has an earlier backward's reduce dtype, which this one
+  // must not narrow.
+  at::ScalarType promoted = params.front()->unsharded_grad_dtype().value_or(
+      grads.front().scalar_type());
+  for (size_t i = 1; i < params.size(); ++i) {
+    promoted = at::promoteTypes(
+        promoted, params[i]->unsharded_grad_dtype().value_or(grads[i].scalar_type()));
+  }
+  if (partial_reduce_output_.defined()) {
+    promoted = at::promoteTypes(promoted, partial_reduce_output_.scalar_type());
+  }
+  return promoted;
+}
+
 void FsdpParamGroup::reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> params,
                                       std::vector<at::Tensor> grads) {
-  const at::ScalarType grad_dtype = grads.front().scalar_type();
-  for (const at::Tensor& grad : grads) {
-    if (grad.scalar_type() != grad_dtype) {
-      raise_assertion("FSDP reduce-scatter expects uniform gradient dtype but got " +
-                      dtype_set({grad_dtype, grad.scalar_type()}) + " in " + module_fqn_);
-    }
-  }
-  const at::ScalarType reduce_dtype = reduce_dtype_.value_or(grad_dtype);
+  const at::ScalarType reduce_dtype = reduce_dtype_of(params, grads);
   const CollectiveGroup& group = reduce_scatter_group();
   const int64_t world = group.size();
   const int64_t replicas = replicate_group_ ? replicate_group_.size() : 0;
@@ -765,10 +820,13 @@ bool FsdpParamGroup::reduces_in_place(const std::vector<std::shared_ptr<FsdpPara
       factors.reduce_scatter_divide || factors.all_reduce_divide || factors.post_divide) {
     return false;
   }
-  const at::ScalarType grad_dtype = grads.front().scalar_type();
-  if (grad_dtype != reduce_dtype || (orig_dtype_ && *orig_dtype_ != grad_dtype)) return false;
   for (size_t i = 0; i < grads.size(); ++i) {
     const at::Tensor& grad = grads[i];
+    // No cast on the way in nor back (sharded grad dtype None: kept as it is).
+    if (grad.scalar_type() != reduce_dtype ||
+        params[i]->sharded_grad_dtype().value_or(reduce_dtype) != reduce_dtype) {
+      return false;
+    }
     // On the host, unpadded: the shard is the whole gradient. Copied as
     // upstream copies: a gradient with a history (create_graph); a tensor
     // subclass (an all-gather extension's), whose copy-in makes it plain; a
@@ -847,6 +905,11 @@ void FsdpParamGroup::complete_reduce(PendingReduce reduce) {
   if (replicate_group_) {
     if (!reduce.all_reduce) {
       // Accumulate locally; a later backward all-reduces the sum.
+      if (partial_reduce_output_.defined() &&
+          partial_reduce_output_.scalar_type() != output.scalar_type()) {
+        // A wider reduce dtype than the held sum's (reduce_dtype_of).
+        partial_reduce_output_ = partial_reduce_output_.to(output.scalar_type());
+      }
       if (partial_reduce_output_.defined()) {
         partial_reduce_output_.add_(output);
       } else {
@@ -856,6 +919,7 @@ void FsdpParamGroup::complete_reduce(PendingReduce reduce) {
       return;
     }
     if (partial_reduce_output_.defined()) {
+      // Of this reduction's dtype or a narrower one (reduce_dtype_of).
       output.add_(partial_reduce_output_);
       partial_reduce_output_ = at::Tensor();
     }
@@ -877,15 +941,55 @@ void FsdpParamGroup::complete_reduce(PendingReduce reduce) {
     all_reduce_hook_(output);
   }
   if (factors.post_divide) output.div_(*factors.post_divide);
-  if (orig_dtype_ && output.scalar_type() != *orig_dtype_) output = output.to(*orig_dtype_);
-  int64_t offset = 0;
-  for (const std::shared_ptr<FsdpParam>& param : reduce.params) {
-    const int64_t shard_numel = c10::multiply_integers(param->sharded_size());
-    param->accumulate_sharded_grad(
-        output.narrow(0, offset, shard_numel).view(param->sharded_size()));
-    offset += param->padded_shard_numel();
-  }
+  accumulate_reduced_shards(reduce.params, output);
   mark_post_reduce();
+}
+
+// Note [casting reduced shards back]
+// Each parameter's reduced shard becomes, or is added to, its sharded
+// gradient in its sharded grad dtype. Parameters are packed by that dtype
+// (reduce_order_), so the output is a run per dtype: a run in the reduce
+// dtype (or whose dtype is any) is viewed where it lies, any other is cast
+// once into a buffer of its own. Views of an uncast run keep the whole
+// output alive, the cast runs' regions too; where those are the larger part
+// the uncast runs are copied instead, so that the output can go (upstream
+// makes the same choice).
+void FsdpParamGroup::accumulate_reduced_shards(const std::vector<std::shared_ptr<FsdpParam>>& params,
+                                               const at::Tensor& output) {
+  const at::ScalarType reduce_dtype = output.scalar_type();
+  const auto run_dtype = [&](const FsdpParam& param) {
+    return param.sharded_grad_dtype().value_or(reduce_dtype);
+  };
+  int64_t cast_numel = 0;
+  for (const auto& param : params) {
+    if (run_dtype(*param) != reduce_dtype) cast_numel += param->padded_shard_numel();
+  }
+  const bool copy_uncast = cast_numel > output.numel() - cast_numel;
+  int64_t offset = 0;
+  for (size_t begin = 0; begin < params.size();) {
+    const at::ScalarType dtype = run_dtype(*params[begin]);
+    size_t end = begin;
+    int64_t run_numel = 0;
+    while (end < params.size() && run_dtype(*params[end]) == dtype) {
+      run_numel += params[end++]->padded_shard_numel();
+    }
+    at::Tensor run = output.narrow(0, offset, run_numel);
+    if (dtype != reduce_dtype) {
+      run = run.to(dtype);
+    } else if (copy_uncast) {
+      run = run.clone();
+    }
+    int64_t run_offset = 0;
+    for (size_t i = begin; i < end; ++i) {
+      const FsdpParam& param = *params[i];
+      const int64_t shard_numel = c10::multiply_integers(param.sharded_size());
+      params[i]->accumulate_sharded_grad(
+          run.narrow(0, run_offset, shard_numel).view(param.sharded_size()));
+      run_offset += param.padded_shard_numel();
+    }
+    offset += run_numel;
+    begin = end;
+  }
 }
 
 std::string FsdpParamGroup::profile_label(const char* phase) const {

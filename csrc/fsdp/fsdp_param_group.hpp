@@ -82,7 +82,8 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
 
   // Applies a MixedPrecisionPolicy's dtypes to every parameter and checks
   // that trainable parameters agree on their dtype and reduce dtype
-  // (upstream's _init_mp_dtypes; AssertionError otherwise).
+  // (upstream's _init_mp_dtypes; AssertionError otherwise); then orders the
+  // parameters for reduction by their sharded grad dtype (fsdp_param.hpp).
   void init_mp_dtypes(std::optional<at::ScalarType> param_dtype,
                       std::optional<at::ScalarType> reduce_dtype);
 
@@ -253,6 +254,16 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   void drop_pending_all_gather();
   void reduce_gradients(std::vector<std::shared_ptr<FsdpParam>> params,
                         std::vector<at::Tensor> grads);
+  // The dtype `grads` (of `params`) are reduced in: the policy's
+  // reduce_dtype, else (torch 2.15) the promotion of each parameter's
+  // unsharded grad dtype (the gradient's own where that is any) and of the
+  // partial output held for HSDP, or (before) the gradients' one dtype.
+  at::ScalarType reduce_dtype_of(const std::vector<std::shared_ptr<FsdpParam>>& params,
+                                 const std::vector<at::Tensor>& grads) const;
+  // set_reduce_scatter_unused_params builds zeros for unused parameters;
+  // one whose gradient dtype may be any has no dtype every rank agrees on
+  // without a reduce_dtype (ValueError, on every rank alike).
+  void check_unused_param_grad_dtypes() const;
   // Whether the reduction of `grads` is the identity and each can become its
   // parameter's sharded gradient as it is (Note [a gradient that is its own
   // shard] in the .cpp).
@@ -264,6 +275,10 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   // backend in place of the reduce-scatter divide.
   void reduce_on_streams(FsdpStreams& streams, PendingReduce reduce, int64_t world,
                          bool average);
+  // The end of complete_reduce: `output` (reduce dtype, the parameters'
+  // padded shards in `params`' order) into the sharded gradients.
+  void accumulate_reduced_shards(const std::vector<std::shared_ptr<FsdpParam>>& params,
+                                 const at::Tensor& output);
 
   std::vector<std::shared_ptr<FsdpParam>> params_;
   CollectiveGroup shard_group_;
@@ -295,11 +310,15 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   std::vector<std::weak_ptr<FsdpParamGroup>> backward_prefetch_;
   bool explicit_backward_prefetch_ = false;
   bool post_backward_pending_ = false;
-  // Over trainable parameters, set by init_mp_dtypes: the dtype sharded
-  // gradients are accumulated in, and the reduce dtype (nullopt: the
-  // gradients' own).
-  std::optional<at::ScalarType> orig_dtype_;
+  // Over trainable parameters, set by init_mp_dtypes: the reduce dtype
+  // (nullopt: reduce_dtype_of decides per reduction).
   std::optional<at::ScalarType> reduce_dtype_;
+  // Indices into params_ in the order gradients are packed for reduction:
+  // grouped by sharded grad dtype, each group in parameter order (upstream's
+  // reduce-scatter order), so each dtype's shards are one run to cast
+  // (Note [casting reduced shards back] in the .cpp). All-gathers keep
+  // params_'s order.
+  std::vector<size_t> reduce_order_;
   // HSDP without all-reduce: reduce-scattered gradients summed across
   // backwards until one all-reduces (reduce dtype, this rank's chunk).
   at::Tensor partial_reduce_output_;

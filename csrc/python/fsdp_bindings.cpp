@@ -106,6 +106,15 @@ void bind_fsdp_runtime(py::module_& m) {
                     "Keep the padded sharded data in pinned memory (CPUOffloadPolicy).")
       .def_property("grad_dp_dims", &FsdpParam::grad_dp_dims, &FsdpParam::set_grad_dp_dims,
                     "dp_mesh_dims: mesh dims where gradients keep their placements.")
+      .def_property("param_dtype_override", &FsdpParam::param_dtype_override,
+                    &FsdpParam::set_param_dtype_override,
+                    "MixedPrecisionPolicy.param_dtype_override_fn's answer (None: the policy's).")
+      .def_property("reduces_grad_outside_dp", nullptr, &FsdpParam::set_reduces_grad_outside_dp,
+                    "A TP parameter whose gradient may be reduced over TP first.")
+      .def_property_readonly("sharded_grad_dtype", &FsdpParam::sharded_grad_dtype,
+                             "The dtype of its sharded gradient (None: the reduce dtype).")
+      .def_property_readonly("unsharded_grad_dtype", &FsdpParam::unsharded_grad_dtype,
+                             "The dtype its gradient is reduced in (None: the gradient's own).")
       .def_property_readonly("unsharded_param", &FsdpParam::unsharded_param)
       .def_property_readonly("shard_dim", &FsdpParam::shard_dim)
       .def_property_readonly("padded_sharded_data", &FsdpParam::padded_sharded_data)

@@ -13,6 +13,7 @@ stays the group's."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Optional
 
@@ -197,8 +198,14 @@ def attach(groups, mp_policy) -> None:
             shard_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
             padded = (param.padded_sharded_data.numel() // max(1, _trailing_numel(param)),
                       *param.orig_size[1:])
+            # The hook sees the parameter's own policy (param_dtype_override_fn's
+            # answer in param_dtype), as upstream's.
+            own_policy = mp_policy
+            if param.param_dtype_override is not None:
+                own_policy = dataclasses.replace(mp_policy,
+                                                 param_dtype=param.param_dtype_override)
             param.extension = AllGatherExtension(param.fqn, param.sharded_param, shard_mesh,
-                                                 param.owner_module, mp_policy, param.orig_size,
+                                                 param.owner_module, own_policy, param.orig_size,
                                                  padded)
 
 

@@ -4,6 +4,7 @@ and build the C++ parameter group. Nothing here runs per training step."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, NamedTuple, Optional
 
@@ -308,22 +309,39 @@ def validate_params(params, names, info: MeshInfo, post_forward_mesh) -> None:
             )
 
 
-def refuse_per_parameter_dtypes(mp_policy, params, names, module_name: str) -> None:
-    """torch 2.15's dtypes per parameter, which ours does not implement yet
-    (they need all-gathers and reductions of mixed dtypes within a group):
-    refused, so that a job does not train silently with the group's dtypes."""
+def param_dtype_overrides(mp_policy, params, names, module_name: str) -> list:
+    """torch 2.15's MixedPrecisionPolicy.param_dtype_override_fn, asked once
+    per parameter as fully_shard applies (as upstream asks it): each
+    parameter's own param_dtype, or None for the policy's. Its answer must be
+    None, the policy's param_dtype or the parameter's own dtype (ValueError
+    otherwise, naming the parameter)."""
+    override_fn = getattr(mp_policy, "param_dtype_override_fn", None)
+    if override_fn is None:
+        return [None] * len(params)
     where = f"torch_fsdp_ext.fully_shard({module_name})"
-    if getattr(mp_policy, "param_dtype_override_fn", None) is not None:
-        raise NotImplementedError(
-            f"{where}: MixedPrecisionPolicy.param_dtype_override_fn (a param_dtype per "
-            "parameter) is not supported yet; use one param_dtype for the module, or "
-            "upstream's fully_shard")
-    overridden = [name for param, name in zip(params, names)
-                  if getattr(param, "_has_grad_dtype_override", False)]
-    if overridden:
-        raise NotImplementedError(
-            f"{where}: parameters with an explicit grad_dtype ({', '.join(overridden)}) are not "
-            "supported yet; use MixedPrecisionPolicy.reduce_dtype, or upstream's fully_shard")
+    overrides = []
+    for param, name in zip(params, names):
+        dtype = override_fn(param)
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ValueError(
+                f"{where}: param_dtype_override_fn must return a torch.dtype or None; for "
+                f"{name} it returned {type(dtype).__name__} {dtype!r}")
+        if dtype is not None and dtype not in (mp_policy.param_dtype, param.dtype):
+            raise ValueError(
+                f"{where}: param_dtype_override_fn must return None, the policy's param_dtype "
+                f"({mp_policy.param_dtype}) or the parameter's own dtype ({param.dtype}); "
+                f"for {name} it returned {dtype}")
+        overrides.append(dtype)
+    return overrides
+
+
+def policy_for_state(mp_policy):
+    """The policy the state keeps (input and output casts, all-gather
+    extensions): the per-parameter override is answered already, and inputs
+    are cast to the policy's param_dtype, as upstream's."""
+    if getattr(mp_policy, "param_dtype_override_fn", None) is None:
+        return mp_policy
+    return dataclasses.replace(mp_policy, param_dtype_override_fn=None)
 
 
 def move_to_device(params, buffers, device: torch.device) -> None:
@@ -503,6 +521,10 @@ def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str,
     sharded = nn.Parameter(
         DTensor(local, spec, requires_grad=False), requires_grad=param.requires_grad
     )
+    if getattr(param, "_has_grad_dtype_override", False):
+        # torch 2.15's grad_dtype policy stays with the parameter (the C++
+        # FsdpParam reads it from the sharded one).
+        sharded.grad_dtype = param.grad_dtype
     fsdp_param = _C.FsdpParam(
         fqn, slots, sharded, padded.view(-1), list(data.shape), list(local.shape), world, dim
     )
@@ -512,6 +534,8 @@ def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str,
         if info.spmd_mesh is not None:
             fsdp_param.grad_dp_dims = _tensor_parallel.dp_dim_indices(tp_spec.mesh,
                                                                       info.dp_mesh_dims)
+        fsdp_param.reduces_grad_outside_dp = _tensor_parallel.may_reduce_grad_outside_dp(
+            tp_spec, fsdp_param.grad_dp_dims)
     return fsdp_param
 
 

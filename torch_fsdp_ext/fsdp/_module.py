@@ -62,7 +62,10 @@ def fully_shard(
     params, buffers = _init.managed_states(managed, ignored_params)
     slots = _init.module_slots(params, roots)
     names = [s[0][1] for s in slots]
-    _init.refuse_per_parameter_dtypes(mp_policy, params, names, type(roots[0]).__name__)
+    # "Linear.weight": how FsdpParams and messages name a parameter.
+    labels = [f"{type(slot[0][0]).__name__}.{name}" for slot, name in zip(slots, names)]
+    dtype_overrides = _init.param_dtype_overrides(mp_policy, params, labels,
+                                                  type(roots[0]).__name__)
     _init.move_to_device(params, buffers, device)
     # Every parameter's placement and mesh, then one plan per process group
     # (several when shard_placement_fn returns ShardPlacementResults), each
@@ -81,16 +84,17 @@ def fully_shard(
         plans.append((group_info, members, group_reshard))
 
     state = fully_shard.state(roots[0])
-    state.init(roots, mp_policy, offload_policy, auto_reshard, device)
+    state.init(roots, _init.policy_for_state(mp_policy), offload_policy, auto_reshard, device)
     _expose_state_to_upstream_accessor(roots, state)
     pin_memory = _init.pin_offloaded(offload_policy)
     for group_info, members, (group_reshard, group_post_forward_mesh) in plans:
         fsdp_params = [
-            _init.shard_param(params[i], group_info, placements[i][0],
-                              f"{type(slots[i][0][0]).__name__}.{names[i]}", slots[i],
+            _init.shard_param(params[i], group_info, placements[i][0], labels[i], slots[i],
                               pin_memory=pin_memory)
             for i in members
         ]
+        for i, fsdp_param in zip(members, fsdp_params):
+            fsdp_param.param_dtype_override = dtype_overrides[i]
         group = _C.FsdpParamGroup(fsdp_params, group_info.shard_group,
                                   group_info.replicate_group)
         if group_post_forward_mesh is not None:

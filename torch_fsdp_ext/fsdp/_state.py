@@ -374,7 +374,7 @@ class FSDPState(_State):
         for group in groups:
             with torch.no_grad():
                 group.reset_sharded_params()
-            group.init_mp_dtypes(policy.param_dtype, _reduce_dtype(policy, group))
+            group.init_mp_dtypes(policy.param_dtype, policy.reduce_dtype)
         on_meta = [p.fqn for group in groups for p in group.params if p.is_meta]
         if on_meta:
             raise RuntimeError(
@@ -668,17 +668,6 @@ class GradientReduction:
 def _active_gradient_reduction(comm_ctx) -> Optional[GradientReduction]:
     """The comm context's asynchronous gradient reduction in flight, if any."""
     return getattr(comm_ctx, "active_gradient_reduction", None)
-
-
-def _reduce_dtype(policy, group) -> Optional[torch.dtype]:
-    """The dtype a group reduces gradients in, as this torch's upstream picks it:
-    the policy's reduce_dtype; unset, param_dtype before torch 2.15 (None here
-    means that) and the parameters' original dtype from 2.15 on."""
-    if (policy.reduce_dtype is not None or policy.param_dtype is None
-            or not _compat.UNSET_REDUCE_DTYPE_IS_ORIGINAL_DTYPE):
-        return policy.reduce_dtype
-    trainable = [p.sharded_param for p in group.params if p.sharded_param.requires_grad]
-    return trainable[0].dtype if trainable else None
 
 
 def _cast_floating(tree: Any, dtype: Optional[torch.dtype]) -> Any:

@@ -67,6 +67,17 @@ def dp_dim_indices(spmd_mesh: DeviceMesh, dims) -> tuple:
     return tuple(sorted(names.index(n) for n in (*dims.shard_names, *dims.replicate_names)))
 
 
+def may_reduce_grad_outside_dp(spec: DTensorSpec, dp_dims: tuple) -> bool:
+    """Whether the parameter's gradient may be reduced over a mesh dim outside
+    data parallelism before FSDP reduces it: a Replicate placement there (a
+    SequenceParallel norm's weight) can come back Partial, and local_grad's
+    redistribution then all-reduces it in the gradient's dtype. Such a
+    parameter takes its gradients in the wider reduce dtype from autograd
+    (Note [a wider gradient dtype], csrc/fsdp/fsdp_param.cpp)."""
+    return any(isinstance(placement, Replicate)
+               for i, placement in enumerate(spec.placements) if i not in dp_dims)
+
+
 def spmd_sharded_spec(info, placement: Shard, spec: DTensorSpec) -> DTensorSpec:
     """dp_mesh_dims: the parameter's placements with FSDP's on the shard
     dims, strided by the sharding of the same tensor dim on later mesh dims;

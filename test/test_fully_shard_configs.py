@@ -147,6 +147,27 @@ def _batch_loss(model, rank, step):
     return model(x).float().pow(2).mean()
 
 
+def run_microbatches(model, step, microbatches, no_sync, loss_of):
+    """One optimizer step's forwards and backwards: `loss_of(model, index)`
+    for each microbatch, all but the last without gradient sync (`no_sync`
+    "gradient_sync") or without HSDP's all-reduce ("all_reduce"). Returns
+    the losses and the step's comm counts."""
+    losses, step_counts = [], Counter()
+    for micro in range(microbatches):
+        last = micro == microbatches - 1
+        if no_sync == "gradient_sync":
+            model.set_requires_gradient_sync(last)
+        elif no_sync == "all_reduce":
+            model.set_requires_all_reduce(last)
+        # One CommDebugMode per forward (its module tracker expects one).
+        with counting_comms() as mode:
+            loss = loss_of(model, step * microbatches + micro)
+            loss.backward()
+        step_counts.update(comm_counts(mode))
+        losses.append(loss.item())
+    return losses, dict(step_counts)
+
+
 def train_side_by_side(ctx, backend, mesh_shape, model_name, block_policy_name,
                        root_policy_name, microbatches, no_sync, placement="none"):
     """Trains ours and upstream's fully_shard on identical copies; returns
@@ -168,20 +189,10 @@ def train_side_by_side(ctx, backend, mesh_shape, model_name, block_policy_name,
         optim = torch.optim.SGD(model.parameters(), lr=0.1)
         losses, counts = [], []
         for step in range(STEPS):
-            step_counts = Counter()
-            for micro in range(microbatches):
-                last = micro == microbatches - 1
-                if no_sync == "gradient_sync":
-                    model.set_requires_gradient_sync(last)
-                elif no_sync == "all_reduce":
-                    model.set_requires_all_reduce(last)
-                # One CommDebugMode per forward (its module tracker expects one).
-                with counting_comms() as mode:
-                    loss = _batch_loss(model, ctx.rank, step * microbatches + micro)
-                    loss.backward()
-                step_counts.update(comm_counts(mode))
-                losses.append(loss.item())
-            counts.append(dict(step_counts))
+            step_losses, step_counts = run_microbatches(
+                model, step, microbatches, no_sync, lambda m, i: _batch_loss(m, ctx.rank, i))
+            losses += step_losses
+            counts.append(step_counts)
             optim.step()
             optim.zero_grad()
         full = [p.detach().full_tensor() for p in model.parameters()]

@@ -21,7 +21,6 @@ tensors no grad_dtype policy there), and `make compat-test` runs it on 2.15.
 """
 
 import copy
-from collections import Counter
 
 import pytest
 import torch
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 
 from conftest import get_pool
 from fsdp_testing import IMPLS, comm_counts, counting_comms, fsdp_api
-from test_fully_shard_configs import make_mesh
+from test_fully_shard_configs import make_mesh, run_microbatches
 from torch_fsdp_ext import _compat
 
 pytestmark = pytest.mark.skipif(
@@ -188,20 +187,11 @@ def train_side_by_side(ctx, backend, mesh_shape, case, microbatches=1, no_sync="
         optim = torch.optim.SGD(model.parameters(), lr=0.1)
         losses, counts, grads = [], [], None
         for step in range(STEPS):
-            step_counts = Counter()
-            for micro in range(microbatches):
-                last = micro == microbatches - 1
-                if no_sync == "gradient_sync":
-                    model.set_requires_gradient_sync(last)
-                elif no_sync == "all_reduce":
-                    model.set_requires_all_reduce(last)
-                with counting_comms() as mode:
-                    loss = model(_batch(ctx.rank, step * microbatches + micro)).float()
-                    loss = loss.pow(2).mean()
-                    loss.backward()
-                step_counts.update(comm_counts(mode))
-                losses.append(loss.item())
-            counts.append(dict(step_counts))
+            step_losses, step_counts = run_microbatches(
+                model, step, microbatches, no_sync,
+                lambda m, i: m(_batch(ctx.rank, i)).float().pow(2).mean())
+            losses += step_losses
+            counts.append(step_counts)
             if step == STEPS - 1:
                 grads = _sharded_grads(model)
             optim.step()

@@ -367,8 +367,12 @@ def _launch_two_ranks(script, tmp_path, init_method, destroy, extra_env=None, bi
     return procs, results
 
 
-@pytest.mark.parametrize("init_method", ["tcp", "file", "env"])
-@pytest.mark.parametrize("destroy", [True, False], ids=["destroy", "no-destroy"])
+# Every init method, and exit with and without destroy_process_group: the
+# product's corners (11 s each, two fresh processes), env:// (torchrun's)
+# both ways.
+@pytest.mark.parametrize("init_method,destroy", [("tcp", True), ("file", False), ("env", True),
+                                                 ("env", False)],
+                         ids=["destroy-tcp", "no-destroy-file", "destroy-env", "no-destroy-env"])
 def test_init_methods_and_clean_exit(tmp_path, init_method, destroy):
     """env://, tcp:// and file:// all work; exit is prompt with or without
     destroy_process_group and the ranks leave no SysV segments behind."""

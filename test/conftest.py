@@ -79,3 +79,16 @@ REQUIRES_CUDA = [
                        reason="needs a CUDA GPU; none here (test/gpu/run.sh runs these on the "
                               "lent GPU machine)"),
 ]
+
+
+# `make test` runs what is not marked `extended`; `make test-extended` (which
+# .ci/run runs after it) runs what is: end-to-end launches whose seconds go to
+# starting processes (torchrun jobs across two emulated hosts, the examples'
+# launches), each a corner that make test's own cases of the same path
+# already cover once.
+EXTENDED = pytest.mark.extended
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "extended: a slow end-to-end launch, run by make test-extended (not make test)")

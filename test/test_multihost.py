@@ -2,7 +2,10 @@
 
 Each test starts one torchrun per host (multihost.TwoHosts) running
 multihost_job.py and reads every rank's JSON record back. Needs root for
-`ip netns`; skipped (saying so) where that is not available.
+`ip netns`; skipped (saying so) where that is not available. A job costs
+15-50 s on 2 cores (two torchrun agents, every rank importing torch): make
+test runs two of them, the rest are `extended` (make test-extended, which CI
+runs).
 """
 
 import json
@@ -19,6 +22,9 @@ JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_job.py
 
 pytestmark = pytest.mark.skipif(not multihost.available(),
                                 reason="needs root and iproute2 to create network namespaces")
+# make test runs the largest layout's collectives and a rank killed on the
+# second host; the other corners are `extended` (make test-extended).
+EXTENDED = pytest.mark.extended
 
 
 def run_job(hosts, args, ranks_per_host, reported=None, marker=False, env=None, **wait):
@@ -54,12 +60,16 @@ def expect_reports(host_results, reports, ranks):
     return reports
 
 
-# The corners run in make test: one rank per host, 2x2, unequal hosts and
-# the largest, 2x4 (8 ranks on this 2-core machine: 20 s). 2x3 (hierarchical
-# with an odd column count) also runs in the C++ pretend-host matrix (6
-# ranks, 2 hosts); here only with MULTIHOST_SWEEP=1 (not FSDP_EXT_*: the
+# The corners run in make test: one rank per host, unequal hosts and the
+# largest, 2x4 (8 ranks on this 2-core machine: 50 s on a slow day). 2x2 runs
+# twice below, with the ring and the shared-memory algorithms forced, and the
+# algorithm it picks unforced (direct across hosts) is 2x4's too; 2x2 unforced
+# and 2x3 (hierarchical with an odd column count, also in the C++ pretend-host
+# matrix: 6 ranks, 2 hosts) run with MULTIHOST_SWEEP=1 (not FSDP_EXT_*: the
 # backend refuses names it does not know).
-LAYOUTS = [1, 2, (3, 1), 4] + ([3] if os.environ.get("MULTIHOST_SWEEP") == "1" else [])
+SWEEP = os.environ.get("MULTIHOST_SWEEP") == "1"
+LAYOUTS = ([pytest.param(1, marks=EXTENDED), pytest.param((3, 1), marks=EXTENDED), 4]
+           + ([2, 3] if SWEEP else []))
 
 
 @pytest.mark.parametrize("ranks_per_host", LAYOUTS,
@@ -103,6 +113,7 @@ def test_every_collective_across_two_hosts(ranks_per_host):
                 assert "(this host)" in line, line
 
 
+@EXTENDED
 @pytest.mark.parametrize("algorithm", ["ring", "shm"])
 def test_every_collective_across_two_hosts_with_forced_algorithms(algorithm):
     """Each phase of the hierarchical collectives (2 hosts x 2 ranks) with one
@@ -117,6 +128,7 @@ def test_every_collective_across_two_hosts_with_forced_algorithms(algorithm):
     assert all(h.returncode == 0 for h in out), [h.output[-3000:] for h in out]
 
 
+@EXTENDED
 def test_fully_shard_training_across_two_hosts_matches_gloo():
     with multihost.TwoHosts() as hosts:
         out, reports = run_job(hosts, ["--mode", "train", "--steps", "4"], 2, timeout=300)
@@ -139,7 +151,9 @@ def test_fully_shard_training_across_two_hosts_matches_gloo():
     assert losses["ours/gloo+host-shared"] == losses["ours/gloo"], losses
 
 
-@pytest.mark.parametrize("victim,op", [(0, "all_reduce"), (3, "all_reduce"), (3, "all_gather")],
+@pytest.mark.parametrize("victim,op", [pytest.param(0, "all_reduce", marks=EXTENDED),
+                                       (3, "all_reduce"),
+                                       pytest.param(3, "all_gather", marks=EXTENDED)],
                          ids=["on-host-0", "on-host-1", "on-host-1-during-pipelined-all-gather"])
 def test_killed_rank_is_reported_within_seconds(victim, op):
     with multihost.TwoHosts() as hosts:
@@ -160,6 +174,7 @@ def test_killed_rank_is_reported_within_seconds(victim, op):
               f"{report['noticed_after'] * 1000:.0f} ms")
 
 
+@EXTENDED
 def test_host_whose_link_goes_down_is_reported_within_seconds():
     with multihost.TwoHosts() as hosts, tempfile.TemporaryDirectory() as tmp:
         marker = os.path.join(tmp, "ready")
@@ -179,6 +194,7 @@ def test_host_whose_link_goes_down_is_reported_within_seconds():
     assert report["seconds"] < 5.0, report
 
 
+@EXTENDED
 def test_stray_connections_neither_stall_a_group_nor_pose_as_a_peer():
     """Issue 38: stray clients in rank 3's liveness backlog (silent, forged
     hellos naming rank 1, garbage, an oversized length) while the group over

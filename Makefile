@@ -13,7 +13,7 @@ export UCX_NET_DEVICES ?= lo
 export UCX_TLS ?= self,sm,tcp
 export UCX_LOG_LEVEL ?= error
 
-.PHONY: setup system-deps cpp-deps cpp-test cpp-test-tsan venv build test test-extended compat-test torch-suite demo bench bench-report clean
+.PHONY: setup system-deps cpp-deps cpp-test cpp-test-asan cpp-test-tsan venv build test test-extended compat-test torch-suite demo bench bench-report clean
 
 setup: build
 
@@ -38,17 +38,23 @@ cpp-deps: system-deps
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake libgtest-dev >/dev/null; \
 	fi
 
-# The torch-free comm core and its GoogleTest suite under AddressSanitizer +
-# UndefinedBehaviorSanitizer (any report fails), every case. A plain build of
-# the suite used to run too: the comm core's optimised build is the
-# extension's, which the pytest suite runs, and the plain build is one command
-# away (CMakeLists.txt's header). Incremental (ccache); a few seconds once built.
+# The torch-free comm core and its GoogleTest suite, every case, built at -O1
+# without debug information and with assertions on (the build took 220 s of
+# make test at -O2 -g on 2 cores; the sanitizer builds below take as long
+# again each). Incremental (ccache); a few seconds once built.
 cpp-test: cpp-deps
+	cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-O1 >/dev/null
+	cmake --build build/cmake -j2
+	ctest --test-dir build/cmake --output-on-failure
+
+# The same suite under AddressSanitizer + UndefinedBehaviorSanitizer (any
+# report fails), every case (make test-extended; about 7 minutes).
+cpp-test-asan: cpp-deps
 	cmake -S . -B build/cmake-asan -DFSDP_EXT_SANITIZE=address,undefined >/dev/null
 	cmake --build build/cmake-asan -j2
 	ctest --test-dir build/cmake-asan --output-on-failure
 
-# The same suite under ThreadSanitizer (make test-extended; about 4 minutes).
+# And under ThreadSanitizer (make test-extended; about 4.5 minutes).
 # UCX's memory hooks (libucm) intercept the madvise glibc calls at thread exit
 # and crash TSan's own interceptors, so they are off for this run (the tests
 # allocate nothing through UCX). The algorithm matrix runs here up to 4 ranks
@@ -92,10 +98,11 @@ test: build cpp-test $(VENV)/.test-deps
 	$(PY) -m pytest test -q -p no:cacheprovider -m "not extended"
 
 # What make test leaves out, run by .ci/run after it: the comm core's suite
-# under ThreadSanitizer, and the pytest cases marked `extended` (test/conftest.py):
-# end-to-end launches, the examples' torchrun jobs and the corners of the two
-# emulated hosts, each 15-75 s of process start-up on 2 cores (about 15 minutes).
-test-extended: build cpp-test-tsan $(VENV)/.test-deps
+# under the sanitizers, and the pytest cases marked `extended` (test/conftest.py):
+# end-to-end launches (torch's own suite, the examples' and a framework's
+# torchrun jobs, the two emulated hosts but one job), each 15-75 s of process
+# start-up on 2 cores.
+test-extended: build cpp-test-asan cpp-test-tsan $(VENV)/.test-deps
 	$(PY) -m pytest test -q -p no:cacheprovider -m extended
 
 # The other ends of the supported torch range (test/compat_pass.sh): the
@@ -109,7 +116,7 @@ compat-test: system-deps
 
 # torch's own distributed test suite on gloo and on fsdp_ext at world sizes 2
 # and 3 (test/torch_suite/compare.py): about 45 minutes on 2 cores; rewrites
-# docs/torch-suite.md. `make test` runs a slice of it (test/test_torch_suite.py).
+# docs/torch-suite.md. `make test-extended` runs a slice of it (test/test_torch_suite.py).
 torch-suite: build $(VENV)/.test-deps
 	$(PY) test/torch_suite/compare.py --world-sizes 2 3
 

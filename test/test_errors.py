@@ -369,8 +369,12 @@ def _launch_two_ranks(script, tmp_path, init_method, destroy, extra_env=None, bi
 
 # Every init method, and exit with and without destroy_process_group: the
 # product's corners (11 s each, two fresh processes), env:// (torchrun's)
-# both ways.
-@pytest.mark.parametrize("init_method,destroy", [("tcp", True), ("file", False), ("env", True),
+# both ways; make test runs two, make test-extended the others.
+@pytest.mark.parametrize("init_method,destroy", [("tcp", True),
+                                                 pytest.param("file", False,
+                                                              marks=pytest.mark.extended),
+                                                 pytest.param("env", True,
+                                                              marks=pytest.mark.extended),
                                                  ("env", False)],
                          ids=["destroy-tcp", "no-destroy-file", "destroy-env", "no-destroy-env"])
 def test_init_methods_and_clean_exit(tmp_path, init_method, destroy):
@@ -454,7 +458,11 @@ def test_bad_tuning_variable_is_a_clear_error(pool2, variable, value, expected):
         assert f"rank {rank}/2" in message and "init" in message, message
 
 
-@pytest.mark.parametrize("shared_memory,bind", [("1", False), ("0", False), ("1", True)],
+# Each a launch of its own (10 s): make test runs the default; the others are
+# make test-extended's.
+@pytest.mark.parametrize("shared_memory,bind", [("1", False),
+                                                pytest.param("0", False, marks=pytest.mark.extended),
+                                                pytest.param("1", True, marks=pytest.mark.extended)],
                          ids=["shared-memory", "no-shared-memory", "bound-to-a-core"])
 def test_group_creation_logs_one_line(tmp_path, shared_memory, bind):
     """With TORCH_CPP_LOG_LEVEL=INFO every rank logs, per group, its rank,

@@ -17,8 +17,8 @@ as a user launches them, and what each one shows holds:
   optimizer) bit for bit.
 
 Each case is one torchrun launch (the fp32 reference is shared), 15-75 s each
-on 2 cores: make test runs the docstring check and hsdp.py on one host; the
-others are `extended` (make test-extended, which CI runs).
+on 2 cores: make test runs the docstring check; the launches are `extended`
+(make test-extended, which CI runs).
 """
 
 import json
@@ -131,6 +131,7 @@ def test_mixed_precision_bf16_matches_upstream(tmp_path, fp32_reference):
         assert abs(a - b) <= 1e-2 * abs(b), (step, ours["losses"], fp32)
 
 
+@pytest.mark.extended
 def test_hsdp_matches_upstream(tmp_path):
     result, output = run_example(tmp_path, "hsdp.py", "--replicas", 2, "--steps", 8,
                                  "--check-upstream", nproc=4)

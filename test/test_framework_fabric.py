@@ -20,6 +20,8 @@ pytest.importorskip("lightning_fabric", reason="lightning-fabric is not installe
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# A torchrun job of two Fabric runs, 16 s: make test-extended.
+@pytest.mark.extended
 def test_lightning_fabric_trains_with_our_fully_shard_routed_in(tmp_path):
     env = dict(os.environ, UCX_NET_DEVICES="lo", UCX_TLS="self,sm,tcp", UCX_LOG_LEVEL="error",
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",

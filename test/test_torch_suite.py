@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 SLICE = (
@@ -29,6 +31,8 @@ SLICE = (
 )
 
 
+# Seven spawned tests, about 100 s: make test-extended.
+@pytest.mark.extended
 def test_torch_suite_slice_passes_on_fsdp_ext(tmp_path):
     results = tmp_path / "results.jsonl"
     env = dict(os.environ, BACKEND="fsdp_ext", WORLD_SIZE="2", TORCH_SUITE_RESULTS=str(results))

@@ -82,10 +82,10 @@ REQUIRES_CUDA = [
 
 
 # `make test` runs what is not marked `extended`; `make test-extended` (which
-# .ci/run runs after it) runs what is: end-to-end launches whose seconds go to
-# starting processes (torchrun jobs across two emulated hosts, the examples'
-# launches), each a corner that make test's own cases of the same path
-# already cover once.
+# .ci/run runs after it) runs what is: end-to-end launches, 10-75 s each on 2
+# cores and most of it starting processes (torch's suite slice, the examples'
+# and Fabric's torchrun jobs, jobs across two emulated hosts but the one make
+# test keeps, launches that vary one setting of a launch make test runs).
 EXTENDED = pytest.mark.extended
 
 

@@ -86,7 +86,6 @@ REQUIRES_CUDA = [
 # cores and most of it starting processes (torch's suite slice, the examples'
 # and Fabric's torchrun jobs, jobs across two emulated hosts but the one make
 # test keeps, launches that vary one setting of a launch make test runs).
-EXTENDED = pytest.mark.extended
 
 
 def pytest_configure(config):

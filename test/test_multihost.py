@@ -60,13 +60,13 @@ def expect_reports(host_results, reports, ranks):
     return reports
 
 
-# The corners run in make test: one rank per host, unequal hosts and the
-# largest, 2x4 (8 ranks on this 2-core machine: 50 s on a slow day). 2x2 runs
-# twice below, with the ring and the shared-memory algorithms forced, and the
-# algorithm it picks unforced (direct across hosts) is 2x4's too; 2x2 unforced
-# and 2x3 (hierarchical with an odd column count, also in the C++ pretend-host
-# matrix: 6 ranks, 2 hosts) run with MULTIHOST_SWEEP=1 (not FSDP_EXT_*: the
-# backend refuses names it does not know).
+# The corners: one rank per host and unequal hosts (make test-extended), and
+# the largest, 2x4 (make test; 8 ranks on this 2-core machine: 50 s on a slow
+# day). 2x2 runs twice below, with the ring and the shared-memory algorithms
+# forced, and the algorithm it picks unforced (direct across hosts) is 2x4's
+# too; 2x2 unforced and 2x3 (hierarchical with an odd column count, also in the
+# C++ pretend-host matrix: 6 ranks, 2 hosts) run with MULTIHOST_SWEEP=1 (not
+# FSDP_EXT_*: the backend refuses names it does not know).
 SWEEP = os.environ.get("MULTIHOST_SWEEP") == "1"
 LAYOUTS = ([pytest.param(1, marks=EXTENDED), pytest.param((3, 1), marks=EXTENDED), 4]
            + ([2, 3] if SWEEP else []))
@@ -151,9 +151,8 @@ def test_fully_shard_training_across_two_hosts_matches_gloo():
     assert losses["ours/gloo+host-shared"] == losses["ours/gloo"], losses
 
 
-@pytest.mark.parametrize("victim,op", [pytest.param(0, "all_reduce", marks=EXTENDED),
-                                       pytest.param(3, "all_reduce", marks=EXTENDED),
-                                       pytest.param(3, "all_gather", marks=EXTENDED)],
+@EXTENDED
+@pytest.mark.parametrize("victim,op", [(0, "all_reduce"), (3, "all_reduce"), (3, "all_gather")],
                          ids=["on-host-0", "on-host-1", "on-host-1-during-pipelined-all-gather"])
 def test_killed_rank_is_reported_within_seconds(victim, op):
     with multihost.TwoHosts() as hosts:

@@ -256,7 +256,15 @@ def test_different_collectives_over_messages_are_named(pool2_without_shared_memo
                                           "broadcast (the ranks called different collectives") \
         in message, message
     assert elapsed < 2, elapsed
+    # Rank 0 holds no message of rank 1's (a broadcast's receiver sends
+    # nothing): it hears of the mismatch from rank 1's failure notice, also
+    # within a second or two, not at the group's 4 s timeout.
     assert outcomes[0][0] is not None, "rank 0's all-reduce completed against a broadcast"
+    message, elapsed = outcomes[0][0]
+    assert message.startswith("fsdp_ext all_reduce (group "), message
+    assert "rank 1 (host " in message and "stopped the group after its op #" in message, message
+    assert "is in an all-reduce where this rank is in a broadcast" in message, message
+    assert elapsed < 2, elapsed
     # All-gather against reduce-scatter: both ranks hold the other's message.
     kinds = ["an all-gather", "a reduce-scatter"]
     for rank in range(2):

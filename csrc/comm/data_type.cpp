@@ -13,6 +13,7 @@ const char* error_kind_name(ErrorKind kind) {
     case ErrorKind::kBroken: return "group broken";
     case ErrorKind::kPeerLost: return "peer lost";
     case ErrorKind::kDevice: return "device error";
+    case ErrorKind::kPeerFailed: return "peer failed";
   }
   return "unknown";
 }

@@ -18,6 +18,8 @@ enum class ErrorKind {
   kBroken,     // an earlier failure left the group unusable
   kPeerLost,   // a peer process exited or its connection failed
   kDevice,     // a CUDA runtime call failed (csrc/device)
+  kPeerFailed, // a peer's collective failed and it stopped the group (its
+               // failure notice: comm/failure_notice.h); keep this last
 };
 
 const char* error_kind_name(ErrorKind kind);

@@ -40,6 +40,18 @@ constexpr auto kLossGrace = std::chrono::milliseconds(200);
 // queue, off the path of an op whose messages keep arriving.
 constexpr auto kKindCheckInterval = std::chrono::milliseconds(1);
 
+// How long a failing rank waits for its failure notices to leave before it
+// reports its own failure (Note [a failure told to the peers]): they are
+// small eager messages, gone at once unless a connection must be made.
+constexpr auto kNoticeFlush = std::chrono::milliseconds(300);
+// How long a notice received waits before it fails this rank's work: a rank
+// that can see the failure itself (it holds the other collective's message,
+// its own deadline passed a moment after the peer's) reports it in its own
+// words, which name what this rank was doing. Only a rank that cannot see it
+// (one that only sends) then reports the peer's notice. Short against any
+// timeout; long against the 1 ms between this rank's own checks.
+constexpr auto kNoticeGrace = std::chrono::milliseconds(250);
+
 template <typename Finished>
 bool drain_after_loss(Transport& transport, Finished&& finished) {
   const auto start = Clock::now();
@@ -77,6 +89,7 @@ ProgressEngine::ProgressEngine(EngineConfig config, std::unique_ptr<Transport> t
     wakeup_->watch_socket(connection.rank, connection.socket);
   }
   config_.liveness.clear();
+  notices_.start(*transport_);
   thread_ = std::thread([this] { thread_main(); });
 }
 
@@ -195,7 +208,7 @@ void ProgressEngine::keep_alive_while_waiting(const std::string& description) {
   transport_->progress();
   // Collect what fired on the watched fds without sleeping.
   wakeup_->sleep(Clock::now(), /*wake_on_submit=*/false);
-  if (!check_peers().empty()) throw CommError(ErrorKind::kPeerLost, description + ": " + peer_lost_);
+  if (!check_peers().empty()) throw CommError(peer_fault_kind_, description + ": " + peer_fault_);
   if (aborting_) {
     throw CommError(ErrorKind::kAborted, description + ": aborted (" + abort_reason_ + ")");
   }
@@ -268,8 +281,9 @@ std::string ProgressEngine::describe_unmatched(const std::vector<Request>& reque
 // message it sent in this op reached this rank first (UCX matches one
 // sender's messages in order), so its later ops' messages never stand
 // before the one awaited here. A rank that only sends (a broadcast's root)
-// finds nothing and learns of the mismatch from its timeout; the peer it
-// sent to fails at once. Shared memory has its own check (SharedExchangeKind).
+// finds nothing here; the peer it sent to fails at once and tells it (Note
+// [a failure told to the peers], failure_notice.h). Shared memory has its
+// own check (SharedExchangeKind).
 std::string ProgressEngine::describe_other_collective(const std::vector<Request>& requests) {
   const uint64_t first = running_seq_ & tag::kSeqMask;
   const uint64_t span = (next_seq_.load(std::memory_order_relaxed) - running_seq_) & tag::kSeqMask;
@@ -315,16 +329,79 @@ void ProgressEngine::finish(EngineOp& op, const OpOutcome& outcome) {
 }
 
 const std::string& ProgressEngine::check_peers() {
+  if (!peer_fault_.empty()) {
+    wakeup_->take_lost_peers();  // the first fault is the one reported
+    return peer_fault_;
+  }
+  const std::vector<EngineWakeup::LostPeer> lost = wakeup_->take_lost_peers();
+  // A peer that failed and then exited (its script raised) is reported by
+  // its notice, which says why, rather than by its exit. The notice left
+  // before the process ended; it may still wait in the worker's queues, so
+  // a loss first progresses once to take it in, and the notice of a peer
+  // that is gone does not wait out its grace. A notice from a peer still
+  // alive while another is lost is the loss's consequence (its op failed
+  // on the lost peer's transport): the loss is reported.
+  if (!lost.empty()) transport_->progress();
+  if (!notice_.has_value()) {
+    if (FailureNotice notice; notices_.poll(*transport_, &notice)) {
+      notice_ = std::move(notice);
+      notice_arrived_ = Clock::now();
+    }
+  }
+  const bool sender_gone =
+      notice_.has_value() && std::any_of(lost.begin(), lost.end(), [&](const auto& peer) {
+        return peer.rank == notice_->sender;
+      });
+  const bool grace_over = notice_.has_value() && Clock::now() - notice_arrived_ >= kNoticeGrace;
+  if (sender_gone || (lost.empty() && grace_over)) {
+    const FailureNotice& notice = *notice_;
+    peer_fault_ = describe_peer(notice.sender) + " stopped the group after its " +
+                  (notice.seq != 0 ? "op #" + std::to_string(notice.seq) : std::string("op")) +
+                  " failed there: " + notice.message;
+    peer_fault_kind_ = ErrorKind::kPeerFailed;
+    mark_broken(peer_fault_);
+    return peer_fault_;
+  }
   std::vector<std::string> losses;
-  for (const EngineWakeup::LostPeer& lost : wakeup_->take_lost_peers()) {
-    losses.push_back(describe_peer(lost.rank) + " " + lost.how);
+  for (const EngineWakeup::LostPeer& peer : lost) {
+    losses.push_back(describe_peer(peer.rank) + " " + peer.how);
   }
-  if (!losses.empty() && peer_lost_.empty()) {
-    peer_lost_ = losses.front();
-    for (size_t i = 1; i < losses.size(); ++i) peer_lost_ += "; " + losses[i];
-    mark_broken(peer_lost_);
+  if (!losses.empty()) {
+    peer_fault_ = losses.front();
+    for (size_t i = 1; i < losses.size(); ++i) peer_fault_ += "; " + losses[i];
+    peer_fault_kind_ = ErrorKind::kPeerLost;
+    mark_broken(peer_fault_);
   }
-  return peer_lost_;
+  return peer_fault_;
+}
+
+void ProgressEngine::tell_peers(uint64_t seq, const OpOutcome& failure) {
+  auto payload = std::make_shared<std::vector<uint8_t>>(
+      encode_failure_notice(seq, failure.kind, failure.message));
+  std::vector<Request> sends;
+  for (int peer = 0; peer < config_.size; ++peer) {
+    if (peer == config_.rank) continue;
+    Request request;
+    try {
+      transport_->post_send(request, peer, tag::failure_notice(config_.rank), payload->data(),
+                            payload->size());
+    } catch (const std::exception&) {
+      continue;  // no endpoint to a peer that is gone: it needs no notice
+    }
+    sends.push_back(request);
+  }
+  const auto until = Clock::now() + kNoticeFlush;
+  for (;;) {
+    transport_->progress();
+    bool all_done = true;
+    for (Request& request : sends) {
+      if (!transport_->test(request)) all_done = false;
+    }
+    if (all_done || Clock::now() >= until) break;
+    std::this_thread::yield();
+  }
+  // What has not left yet may still: the payload stays with it.
+  orphan_unfinished(sends, payload, false);
 }
 
 ProgressEngine::IdleState ProgressEngine::fresh_idle_state(bool progressed) {
@@ -395,6 +472,10 @@ void ProgressEngine::thread_main() {
     if (stopping) {
       // Drained: cancel what can never complete now, then leave.
       poll_in_flight(/*cancel_all=*/true);
+      std::vector<Request> inbox{notices_.take_pending()};
+      orphan_unfinished(inbox, nullptr, false);
+      inbox = {notices_.drain(*transport_)};
+      orphan_unfinished(inbox, nullptr, false);
       return;
     }
     const unsigned progressed = transport_->progress();
@@ -422,7 +503,9 @@ void ProgressEngine::run_op(EngineOp& op) {
   }
   const std::string broken = broken_reason();
   if (!broken.empty()) {
-    failure.kind = peer_lost_.empty() ? ErrorKind::kBroken : ErrorKind::kPeerLost;
+    // A lost or failed peer as the first failure keeps its kind; a failure
+    // of this rank's own (and faults seen after it) reads as kBroken.
+    failure.kind = broken == peer_fault_ ? peer_fault_kind_ : ErrorKind::kBroken;
     failure.message = description +
                       ": the group is unusable after an earlier failure: " + broken;
     return finish(op, failure);
@@ -464,9 +547,9 @@ void ProgressEngine::run_op(EngineOp& op) {
     while (check_peers().empty() && Clock::now() < until) {
       wakeup_->sleep(until, /*wake_on_submit=*/false);
     }
-    if (!peer_lost_.empty()) {
-      failure.kind = ErrorKind::kPeerLost;
-      failure.message = description + ": " + peer_lost_ + " (this rank's op then failed: " +
+    if (!peer_fault_.empty()) {
+      failure.kind = peer_fault_kind_;
+      failure.message = description + ": " + peer_fault_ + " (this rank's op then failed: " +
                         failure.message + ")";
     }
   }
@@ -477,7 +560,16 @@ void ProgressEngine::run_op(EngineOp& op) {
   }
   if (!failure.message.empty()) {
     // Peers may still be inside this op: later tags would no longer line up.
-    if (op.collective) mark_broken(failure.message);
+    if (op.collective) {
+      mark_broken(failure.message);
+      // Note [a failure told to the peers]: not for a peer's loss or notice
+      // (each rank sees those itself) nor for an abort (this rank's choice).
+      const ErrorKind kind = failure.kind;
+      if (kind != ErrorKind::kPeerLost && kind != ErrorKind::kPeerFailed &&
+          kind != ErrorKind::kAborted && kind != ErrorKind::kBroken) {
+        tell_peers(seq, failure);
+      }
+    }
     orphan_unfinished(context.detached(), op.keepalive, false);
     return finish(op, failure);
   }
@@ -518,16 +610,16 @@ bool ProgressEngine::poll_in_flight(bool cancel_all) {
         outcome.kind = error.kind();
         outcome.message = error.what();
       }
-    } else if (cancel_all || aborting_ || !peer_lost_.empty() || now >= entry.deadline) {
+    } else if (cancel_all || aborting_ || !peer_fault_.empty() || now >= entry.deadline) {
       outcome.ok = false;
       if (cancel_all || aborting_) {
         outcome.kind = ErrorKind::kAborted;
         outcome.message = entry.description +
                           ": the process group was shut down or aborted with this "
                           "operation pending";
-      } else if (!peer_lost_.empty()) {
-        outcome.kind = ErrorKind::kPeerLost;
-        outcome.message = entry.description + ": " + peer_lost_;
+      } else if (!peer_fault_.empty()) {
+        outcome.kind = peer_fault_kind_;
+        outcome.message = entry.description + ": " + peer_fault_;
       } else {
         outcome.kind = ErrorKind::kTimeout;
         outcome.message = entry.description + ": timed out after " +
@@ -615,7 +707,7 @@ void ProgressEngine::wait_for(const std::string& description, Clock::time_point 
     for (Request& request : requests) {
       if (request.finished && request.status != UCS_OK) {
         // A peer that was lost explains the failure better than UCX's status.
-        if (!check_peers().empty()) fail(ErrorKind::kPeerLost, description + ": " + peer_lost_);
+        if (!check_peers().empty()) fail(peer_fault_kind_, description + ": " + peer_fault_);
         Request failed = request;
         orphan_unfinished(requests, running_ ? running_->keepalive : nullptr, true);
         check_finished_request(failed, description);
@@ -626,7 +718,7 @@ void ProgressEngine::wait_for(const std::string& description, Clock::time_point 
       // liveness connection can close before its last data is read here):
       // keep progressing until nothing has moved for kLossQuiet.
       if (drain_after_loss(*transport_, finished)) break;
-      fail(ErrorKind::kPeerLost, description + ": " + peer_lost_);
+      fail(peer_fault_kind_, description + ": " + peer_fault_);
     }
     const auto now = Clock::now();
     if (aborting_) fail(ErrorKind::kAborted, description + ": aborted (" + abort_reason_ + ")");

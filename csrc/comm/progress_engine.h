@@ -15,6 +15,11 @@
 // every endpoint uses UCX's peer error handling. Either way the loss becomes
 // a kPeerLost error for the op waiting on the group (after draining what the
 // peer already delivered), and the group refuses further work.
+//
+// Failures told to peers: a collective that fails here for a reason of this
+// rank's own (a timeout, a mismatch it saw, a transport error) sends each
+// peer a notice, and a notice received fails this rank's work like a lost
+// peer (Note [a failure told to the peers], failure_notice.h).
 #pragma once
 
 #include <atomic>
@@ -23,6 +28,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -31,6 +37,7 @@
 #include "comm/collective_kind.h"
 #include "comm/engine_wakeup.h"
 #include "comm/error.h"
+#include "comm/failure_notice.h"
 #include "comm/op_context.h"
 #include "comm/peer_liveness.h"
 #include "comm/progress_cadence.h"
@@ -284,9 +291,14 @@ class ProgressEngine {
   // Called when something progressed (or an op starts): restarts the policy.
   IdleState fresh_idle_state(bool progressed);
   void idle_wait(IdleState& state, Clock::time_point until, bool in_op, bool requests_pending);
-  // Collects peers that exited or whose endpoint failed; returns the message
-  // describing the first loss ("" while every peer is alive).
+  // Collects peers that exited, whose endpoint failed, or that stopped the
+  // group after a failure of their own (a notice); returns the message
+  // describing the first ("" while every peer is well; peer_fault_kind_
+  // says which it was).
   const std::string& check_peers();
+  // Note [a failure told to the peers]: sends every other rank a notice of
+  // this rank's failed collective `seq`, waiting briefly for it to leave.
+  void tell_peers(uint64_t seq, const OpOutcome& failure);
   Clock::time_point nearest_deadline() const;
   // Note [ranks that run different collectives]: "rank 1 (...) is in a
   // broadcast where this rank is in an all-reduce (...)", or "".
@@ -311,7 +323,14 @@ class ProgressEngine {
   EngineActivity activity_;
 
   // Only touched on the progress thread.
-  std::string peer_lost_;  // set once, by check_peers
+  // The first peer lost or stopped: set once, by check_peers. Its kind is
+  // kPeerLost (exited, connection failed) or kPeerFailed (its notice).
+  std::string peer_fault_;
+  ErrorKind peer_fault_kind_ = ErrorKind::kPeerLost;
+  FailureNoticeInbox notices_;
+  // The first notice received, until its grace has passed (kNoticeGrace).
+  std::optional<FailureNotice> notice_;
+  Clock::time_point notice_arrived_;
   std::atomic<uint64_t> next_seq_{1};
   std::atomic<uint64_t> ops_run_{0};
   std::vector<InFlight> in_flight_;

@@ -8,6 +8,9 @@
 //                 in order), bits 35..20 step within the op, bits 19..0
 //                 sender rank
 //   p2p         : bits 51..20 the user's tag (32 bits), bits 19..0 sender rank
+//   notice      : bit 63 and bit 62 set, bits 19..0 sender rank: a failing
+//                 rank's notice to its peers (comm/failure_notice.h); bit 62
+//                 is never set in a user's tag, so no user receive takes it
 //
 // The sender rank is in the low bits so a receive from any source can mask it
 // out and read the actual sender back from the matched tag.
@@ -20,6 +23,7 @@
 namespace fsdp_ext::comm::tag {
 
 constexpr uint64_t kP2PBit = uint64_t{1} << 63;
+constexpr uint64_t kNoticeBit = uint64_t{1} << 62;
 constexpr int kRankBits = 20;
 constexpr uint64_t kRankMask = (uint64_t{1} << kRankBits) - 1;
 constexpr int kStepShift = kRankBits;
@@ -49,6 +53,10 @@ inline uint64_t point_to_point(int user_tag, int sender) {
   return kP2PBit |
          (uint64_t{static_cast<uint32_t>(user_tag)} << kRankBits) |
          (static_cast<uint64_t>(sender) & kRankMask);
+}
+
+inline uint64_t failure_notice(int sender) {
+  return kP2PBit | kNoticeBit | (static_cast<uint64_t>(sender) & kRankMask);
 }
 
 inline int sender_of(uint64_t t) { return static_cast<int>(t & kRankMask); }

@@ -3,7 +3,9 @@
 // peer reports the peer's other collective at once (Note [ranks that run
 // different collectives], progress_engine.cpp) instead of exchanging data
 // with it (an all-reduce and a broadcast of equal size used to complete
-// with wrong results) or waiting for its timeout.
+// with wrong results) or waiting for its timeout. A rank that only sends
+// learns it from the failing peer's notice (Note [a failure told to the
+// peers], comm/failure_notice.h).
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -95,7 +97,8 @@ TEST(DifferentCollectives, AllReduceAgainstBroadcastOfTheSameSizeIsReported) {
   LoopbackGroup group(2, options);
   // The broadcast's receiver (rank 1) holds rank 0's all-reduce message:
   // it reports at once. Rank 0 waits for a part rank 1 never sends (a
-  // broadcast's receiver sends nothing) and learns of it from its timeout.
+  // broadcast's receiver sends nothing) and learns of it from rank 1's
+  // notice, also at once, not at its timeout.
   std::vector<std::vector<float>> data(2, std::vector<float>(1024, 1.0f));
   std::vector<std::chrono::milliseconds> elapsed;
   const auto timeout = std::chrono::milliseconds(4000);
@@ -113,8 +116,16 @@ TEST(DifferentCollectives, AllReduceAgainstBroadcastOfTheSameSizeIsReported) {
     EXPECT_NE(outcomes[1].message.find(fragment), std::string::npos)
         << fragment << " not in: " << outcomes[1].message;
   }
-  EXPECT_FALSE(outcomes[0].ok);
   EXPECT_LT(elapsed[1], timeout / 4) << "rank 1 waited for the timeout";
+  ASSERT_FALSE(outcomes[0].ok);
+  EXPECT_EQ(outcomes[0].kind, ErrorKind::kPeerFailed) << outcomes[0].message;
+  for (const char* fragment : {"divergent (group 'loopback', rank 0/2, op #1)",
+                               "rank 1 stopped the group after its op #1 failed there",
+                               "is in an all-reduce where this rank is in a broadcast"}) {
+    EXPECT_NE(outcomes[0].message.find(fragment), std::string::npos)
+        << fragment << " not in: " << outcomes[0].message;
+  }
+  EXPECT_LT(elapsed[0], timeout / 4) << "rank 0 waited for the timeout";
 }
 
 TEST(DifferentCollectives, AllGatherAgainstReduceScatterFailsBothRanksAtOnce) {
@@ -145,12 +156,25 @@ TEST(DifferentCollectives, AllGatherAgainstReduceScatterFailsBothRanksAtOnce) {
   const char* kinds[] = {"an all-gather", "a reduce-scatter"};
   for (int r = 0; r < 2; ++r) {
     ASSERT_FALSE(outcomes[r].ok) << "rank " << r << " completed against another collective";
-    EXPECT_EQ(outcomes[r].kind, ErrorKind::kMismatch) << outcomes[r].message;
-    EXPECT_NE(outcomes[r].message.find(std::string("where this rank is in ") + kinds[r]),
-              std::string::npos) << outcomes[r].message;
-    EXPECT_NE(outcomes[r].message.find(std::string(" is in ") + kinds[1 - r]),
-              std::string::npos) << outcomes[r].message;
+    // Each rank sees the other's message; the one that looks first may
+    // also tell the other before it looks (then the other reports that
+    // notice, which carries the first one's view).
+    const std::string& message = outcomes[r].message;
+    if (outcomes[r].kind == ErrorKind::kPeerFailed) {
+      EXPECT_NE(message.find("rank " + std::to_string(1 - r) + " stopped the group"),
+                std::string::npos) << message;
+      EXPECT_NE(message.find(std::string("where this rank is in ") + kinds[1 - r]),
+                std::string::npos) << message;
+    } else {
+      EXPECT_EQ(outcomes[r].kind, ErrorKind::kMismatch) << message;
+      EXPECT_NE(message.find(std::string("where this rank is in ") + kinds[r]),
+                std::string::npos) << message;
+      EXPECT_NE(message.find(std::string(" is in ") + kinds[1 - r]), std::string::npos)
+          << message;
+    }
   }
+  EXPECT_TRUE(outcomes[0].kind == ErrorKind::kMismatch || outcomes[1].kind == ErrorKind::kMismatch)
+      << "neither rank saw the other's collective itself";
   for (int r = 0; r < 2; ++r) {
     EXPECT_LT(elapsed[r], timeout / 4) << "rank " << r << " waited for the timeout";
   }
@@ -185,14 +209,22 @@ TEST(DifferentCollectives, HostsInDifferentCollectivesFailAcrossTheColumns) {
   std::vector<std::chrono::milliseconds> elapsed;
   const auto timeout = std::chrono::milliseconds(4000);
   const auto outcomes = run_divergent(group, ranks, timeout, &elapsed);
+  // Some rank of a column sees the other host's collective; every other
+  // rank (its own host's peer in the phase within the host, the ranks
+  // whose part across was only sends) learns it from that rank's notice.
   int reported = 0;
   for (int r = 0; r < 4; ++r) {
-    EXPECT_FALSE(outcomes[r].ok) << "rank " << r << " completed against another collective";
-    if (outcomes[r].kind == ErrorKind::kMismatch &&
-        outcomes[r].message.find("(the ranks called different collectives") != std::string::npos) {
+    ASSERT_FALSE(outcomes[r].ok) << "rank " << r << " completed against another collective";
+    const std::string& message = outcomes[r].message;
+    EXPECT_NE(message.find("(the ranks called different collectives"), std::string::npos)
+        << "rank " << r << ": " << message;
+    if (outcomes[r].kind == ErrorKind::kMismatch) {
       ++reported;
-      EXPECT_LT(elapsed[r], timeout / 2) << outcomes[r].message;
+    } else {
+      EXPECT_EQ(outcomes[r].kind, ErrorKind::kPeerFailed) << message;
+      EXPECT_NE(message.find("stopped the group after its op #"), std::string::npos) << message;
     }
+    EXPECT_LT(elapsed[r], timeout / 2) << "rank " << r << ": " << message;
   }
   EXPECT_GE(reported, 1) << outcomes[0].message << "\n" << outcomes[2].message;
 }

@@ -46,17 +46,27 @@ TEST(ProgressEngine, ACollectiveAPeerNeverJoinsTimesOutAndBreaksTheGroup) {
   const auto took = Clock::now() - start;
   EXPECT_GE(took, milliseconds(290));
   EXPECT_LT(took, milliseconds(5000));
+  int timed_out = 0;
   for (int r = 0; r < 2; ++r) {
     ASSERT_FALSE(outcomes[r].ok);
-    EXPECT_EQ(outcomes[r].kind, ErrorKind::kTimeout);
     const std::string& message = outcomes[r].message;
     EXPECT_TRUE(contains(message, "fsdp_ext allreduce (group 'loopback', rank " +
                                       std::to_string(r) + "/3, op #1)"))
         << message;
+    // Its own timeout, or the other rank's, told a moment earlier (Note [a
+    // failure told to the peers]): either way it says so and names the peer
+    // waited for.
+    if (outcomes[r].kind == ErrorKind::kTimeout) {
+      ++timed_out;
+    } else {
+      EXPECT_EQ(outcomes[r].kind, ErrorKind::kPeerFailed) << message;
+      EXPECT_TRUE(contains(message, "rank " + std::to_string(1 - r) + " stopped the group"))
+          << message;
+    }
     EXPECT_TRUE(contains(message, "timed out after 300 ms")) << message;
-    // Names the peer it still waits for.
     EXPECT_TRUE(contains(message, "receive from rank 2")) << message;
   }
+  EXPECT_GE(timed_out, 1);
   // Peers may still be in that op: the group refuses further collectives.
   auto next = group.submit(0, "broadcast", [](int, OpContext& context) {
     char byte = 0;
@@ -68,7 +78,21 @@ TEST(ProgressEngine, ACollectiveAPeerNeverJoinsTimesOutAndBreaksTheGroup) {
   EXPECT_TRUE(contains(refused.message, "unusable after an earlier failure")) << refused.message;
   EXPECT_TRUE(contains(refused.message, "timed out")) << refused.message;
   EXPECT_FALSE(group.engine(0).broken_reason().empty());
-  EXPECT_TRUE(group.engine(2).broken_reason().empty());
+  // Rank 2, which never joined, hears of it from the ranks that timed out
+  // (Note [a failure told to the peers]), and refuses work at once.
+  std::string told;
+  for (const auto until = Clock::now() + milliseconds(5000);
+       told.empty() && Clock::now() < until;) {
+    told = group.engine(2).broken_reason();
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  EXPECT_TRUE(contains(told, "stopped the group after its op #1 failed there")) << told;
+  EXPECT_TRUE(contains(told, "timed out after 300 ms")) << told;
+  auto late = group.submit(2, "allreduce", allreduce_of(data), milliseconds(60000));
+  const OpOutcome late_outcome = LoopbackGroup::await(late, milliseconds(5000));
+  EXPECT_FALSE(late_outcome.ok);
+  EXPECT_EQ(late_outcome.kind, ErrorKind::kPeerFailed) << late_outcome.message;
+  EXPECT_TRUE(contains(late_outcome.message, "rank 2/3")) << late_outcome.message;
 }
 
 TEST(ProgressEngine, AbortFailsTheRunningAndQueuedOpsAtOnce) {

@@ -1,0 +1,99 @@
+#include "comm/failure_notice.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "comm/tag_scheme.h"
+
+namespace fsdp_ext::comm {
+namespace {
+
+// "fnt1": the header's first word, so that a message of another layout (a
+// later version's, say) reads as foreign rather than as garbage.
+constexpr uint32_t kMagic = 0x31746e66;
+
+struct Header {
+  uint32_t magic;
+  uint32_t kind;
+  uint64_t seq;
+};
+
+}  // namespace
+
+std::vector<uint8_t> encode_failure_notice(uint64_t seq, ErrorKind kind,
+                                           const std::string& message) {
+  const Header header{kMagic, static_cast<uint32_t>(kind), seq};
+  const size_t text = std::min(message.size(), FailureNoticeInbox::kMaxBytes - sizeof(Header));
+  std::vector<uint8_t> bytes(sizeof(Header) + text);
+  std::memcpy(bytes.data(), &header, sizeof(Header));
+  std::memcpy(bytes.data() + sizeof(Header), message.data(), text);
+  return bytes;
+}
+
+bool decode_failure_notice(const uint8_t* bytes, size_t length, FailureNotice* notice) {
+  Header header{};
+  if (length < sizeof(Header)) return false;
+  std::memcpy(&header, bytes, sizeof(Header));
+  if (header.magic != kMagic || header.kind > static_cast<uint32_t>(ErrorKind::kPeerFailed)) {
+    return false;
+  }
+  notice->seq = header.seq;
+  notice->kind = static_cast<ErrorKind>(header.kind);
+  notice->message.assign(reinterpret_cast<const char*>(bytes) + sizeof(Header),
+                         length - sizeof(Header));
+  return true;
+}
+
+void FailureNoticeInbox::start(Transport& transport) {
+  request_ = Request{};
+  transport.post_recv(request_, tag::failure_notice(0), tag::kMatchAnySender, buffer_,
+                      sizeof(buffer_));
+  posted_ = true;
+}
+
+bool FailureNoticeInbox::poll(Transport& transport, FailureNotice* notice) {
+  if (!posted_ || !transport.test(request_)) return false;
+  posted_ = false;
+  notice->sender = tag::sender_of(request_.matched_tag);
+  if (request_.status != UCS_OK) {
+    // Canceled at shutdown, or the worker failed: no notice.
+    if (request_.status == UCS_ERR_CANCELED) return false;
+    notice->kind = ErrorKind::kTransport;
+    notice->message = std::string("its failure notice could not be read: ") +
+                      ucs_status_string(request_.status);
+    return true;
+  }
+  if (!decode_failure_notice(buffer_, request_.received, notice)) {
+    notice->kind = ErrorKind::kTransport;
+    notice->message = "it sent a failure notice of " + std::to_string(request_.received) +
+                      " bytes that this build cannot read (a different fsdp_ext version?)";
+  }
+  return true;
+}
+
+Request FailureNoticeInbox::take_pending() {
+  Request pending;
+  pending.finished = true;  // nothing to retire
+  if (posted_ && !request_.finished) pending = request_;
+  posted_ = false;
+  request_ = Request{};
+  return pending;
+}
+
+Request FailureNoticeInbox::drain(Transport& transport) {
+  uint64_t found = 0;
+  // Each is a small eager message already here: its receive completes
+  // within a few progress calls. Bounded, against a peer that keeps sending.
+  for (int taken = 0; taken < 1024; ++taken) {
+    if (!transport.find_unexpected(tag::failure_notice(0), tag::kMatchAnySender, &found)) break;
+    Request request;
+    transport.post_recv(request, found, tag::kMatchAll, buffer_, sizeof(buffer_));
+    for (int round = 0; round < 100 && !transport.test(request); ++round) transport.progress();
+    if (!request.finished) return request;
+  }
+  Request none;
+  none.finished = true;
+  return none;
+}
+
+}  // namespace fsdp_ext::comm

@@ -1,0 +1,82 @@
+// Note [a failure told to the peers]
+// A collective that fails on one rank leaves the group unusable there (its
+// later tags would no longer line up with the peers'), but the peers do not
+// always see that failure themselves. The rank that detects a mismatch is
+// the one holding the other collective's message; a peer whose part was only
+// sends (a broadcast's root, a rank of the other host's column) would wait
+// for its timeout, and so would a rank further down a tree or ring that
+// waits for data the failed rank will never forward. So the failing rank
+// sends every peer a short notice: its rank, the op's number, the kind of
+// failure and its message. A rank that receives one fails what it is
+// waiting on, naming that rank and its reason, and refuses further work, as
+// after a lost peer. Not quite at once: for a short grace (kNoticeGrace,
+// progress_engine.cpp) the rank's own checks may report the failure first,
+// in its own words, when it can see it too (a mismatch whose message it
+// holds, a timeout of its own a moment later). A notice whose sender has
+// exited (it failed, then its script raised) is reported at once and in
+// place of the exit; a notice from a live peer while another peer is lost
+// is that loss's consequence, and the loss is reported.
+//
+// The notice travels as a tagged UCX message in the point-to-point half of
+// the tag space with a bit of its own (tag_scheme.h), so no user receive
+// and no collective receive can take it. Each engine keeps one receive for
+// it, from any sender, posted for the engine's life. Only the first notice
+// counts. A rank that failed because of a notice does not send one again,
+// and a lost peer (every rank watches its peers itself) and an abort (this
+// rank's own decision) send none. A rank on the same host also learns of a
+// stop from the small-op channel's `stopped` word (small_op_channel.h);
+// the notice covers the UCX paths and other hosts.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/error.h"
+#include "comm/transport.h"
+
+namespace fsdp_ext::comm {
+
+struct FailureNotice {
+  int sender = -1;
+  uint64_t seq = 0;  // the op that failed there (0: not a numbered op)
+  ErrorKind kind = ErrorKind::kTransport;
+  std::string message;
+};
+
+// The wire form: a fixed header, then the message, cut to fit kMaxBytes.
+std::vector<uint8_t> encode_failure_notice(uint64_t seq, ErrorKind kind,
+                                           const std::string& message);
+// False when `bytes` is not a notice (a short or foreign message).
+bool decode_failure_notice(const uint8_t* bytes, size_t length, FailureNotice* notice);
+
+// The receiving end: one posted receive for notices from any peer. Progress
+// thread only after start().
+class FailureNoticeInbox {
+ public:
+  static constexpr size_t kMaxBytes = 2048;
+
+  // Posts the receive (before the progress thread starts, or on it).
+  void start(Transport& transport);
+  // True once a notice arrived (then `*notice` holds it); the receive is not
+  // posted again. A malformed notice is reported as one from its sender with
+  // what could be read of it.
+  bool poll(Transport& transport, FailureNotice* notice);
+  // The receive while it is still pending, for the caller to cancel and
+  // retire; afterwards the inbox holds nothing.
+  Request take_pending();
+  // After take_pending, at shutdown: takes in the notices that arrived
+  // after the first (every failing peer sends one), so that the worker is
+  // not destroyed with them unread (UCX warns of each). Returns a receive
+  // that did not finish at once (finished when none), for the caller to
+  // retire.
+  Request drain(Transport& transport);
+
+ private:
+  Request request_;
+  bool posted_ = false;
+  uint8_t buffer_[kMaxBytes];
+};
+
+}  // namespace fsdp_ext::comm

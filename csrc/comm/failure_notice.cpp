@@ -80,20 +80,4 @@ Request FailureNoticeInbox::take_pending() {
   return pending;
 }
 
-Request FailureNoticeInbox::drain(Transport& transport) {
-  uint64_t found = 0;
-  // Each is a small eager message already here: its receive completes
-  // within a few progress calls. Bounded, against a peer that keeps sending.
-  for (int taken = 0; taken < 1024; ++taken) {
-    if (!transport.find_unexpected(tag::failure_notice(0), tag::kMatchAnySender, &found)) break;
-    Request request;
-    transport.post_recv(request, found, tag::kMatchAll, buffer_, sizeof(buffer_));
-    for (int round = 0; round < 100 && !transport.test(request); ++round) transport.progress();
-    if (!request.finished) return request;
-  }
-  Request none;
-  none.finished = true;
-  return none;
-}
-
 }  // namespace fsdp_ext::comm

@@ -21,11 +21,12 @@
 // the tag space with a bit of its own (tag_scheme.h), so no user receive
 // and no collective receive can take it. Each engine keeps one receive for
 // it, from any sender, posted for the engine's life. Only the first notice
-// counts. A rank that failed because of a notice does not send one again,
-// and a lost peer (every rank watches its peers itself) and an abort (this
-// rank's own decision) send none. A rank on the same host also learns of a
-// stop from the small-op channel's `stopped` word (small_op_channel.h);
-// the notice covers the UCX paths and other hosts.
+// counts (the others stay unread until the worker's end: Note [messages
+// nobody received], transport.cpp). A rank that failed because of a notice
+// does not send one again, and a lost peer (every rank watches its peers
+// itself) and an abort (this rank's own decision) send none. A rank on the
+// same host also learns of a stop from the small-op channel's `stopped` word
+// (small_op_channel.h); the notice covers the UCX paths and other hosts.
 #pragma once
 
 #include <cstdint>
@@ -66,12 +67,6 @@ class FailureNoticeInbox {
   // The receive while it is still pending, for the caller to cancel and
   // retire; afterwards the inbox holds nothing.
   Request take_pending();
-  // After take_pending, at shutdown: takes in the notices that arrived
-  // after the first (every failing peer sends one), so that the worker is
-  // not destroyed with them unread (UCX warns of each). Returns a receive
-  // that did not finish at once (finished when none), for the caller to
-  // retire.
-  Request drain(Transport& transport);
 
  private:
   Request request_;

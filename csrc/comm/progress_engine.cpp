@@ -124,6 +124,7 @@ void ProgressEngine::shutdown() {
   wakeup_->notify_submitted();
   if (thread_.joinable()) thread_.join();
   // Force-close anything orphaned by a failure before the worker goes away.
+  transport_->discard_unexpected();
   transport_->close_endpoints(std::chrono::milliseconds(1000));
   for (Orphan& orphan : orphans_) {
     for (Request& request : orphan.requests) {
@@ -473,8 +474,6 @@ void ProgressEngine::thread_main() {
       // Drained: cancel what can never complete now, then leave.
       poll_in_flight(/*cancel_all=*/true);
       std::vector<Request> inbox{notices_.take_pending()};
-      orphan_unfinished(inbox, nullptr, false);
-      inbox = {notices_.drain(*transport_)};
       orphan_unfinished(inbox, nullptr, false);
       return;
     }

@@ -72,7 +72,9 @@ Transport::Transport(int rank, int size)
 
 Transport::~Transport() {
   ClosingEndpoints closing;  // Note [closing after the peer left]
+  if (worker_) discard_unexpected();
   close_endpoints(std::chrono::milliseconds(2000));
+  if (worker_) discard_unexpected();  // what arrived while they closed
   worker_.reset();
   context_.reset();
 }
@@ -233,6 +235,39 @@ bool Transport::arm() {
   if (status == UCS_ERR_BUSY) return false;
   check_ucs(status, "ucp_worker_arm");
   return true;
+}
+
+// Note [messages nobody received]
+// After a failed collective the peers' messages of that op (and of the ops
+// they ran on before they heard of it), a second failure notice, or a user's
+// send never received are left in the worker's unexpected queue, and
+// ucp_worker_destroy prints a UCX warning for each ("unexpected tag-receive
+// descriptor ... was not matched") after the real error: noise that reads
+// like a second fault. So before its endpoints close, and again before the
+// worker goes, the transport receives each of them, oldest first, into a
+// one-byte sink: UCX cuts the message (truncated) and drops it. For a
+// rendezvous message that also releases its sender's request, whose
+// acknowledgement needs the endpoints still open; a sender that already
+// went is not waited for.
+void Transport::discard_unexpected() {
+  constexpr int kMaxMessages = 4096;  // against a peer that keeps sending
+  constexpr int kRoundsPerMessage = 100;
+  ucp_tag_recv_info_t info{};
+  for (int taken = 0; taken < kMaxMessages; ++taken) {
+    if (ucp_tag_probe_nb(worker_->get(), 0, 0, /*remove=*/0, &info) == nullptr) return;
+    Request request;
+    post_recv(request, info.sender_tag, ~uint64_t{0}, discard_sink_, sizeof(discard_sink_));
+    for (int round = 0; round < kRoundsPerMessage && !test(request); ++round) {
+      ucp_worker_progress(worker_->get());
+    }
+    if (!request.finished) {
+      // A rendezvous whose sender is gone: leave it, and the rest, to the
+      // worker's destruction (released, as close_endpoints does).
+      ucp_request_cancel(worker_->get(), request.handle);
+      ucp_request_free(request.handle);
+      return;
+    }
+  }
 }
 
 void Transport::close_endpoints(std::chrono::milliseconds budget) {

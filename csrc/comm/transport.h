@@ -76,6 +76,10 @@ class Transport {
   // empty for a rank never sent to.
   std::vector<std::string> transports_to(int peer) const;
 
+  // Receives and drops the messages no receive took (Note [messages nobody
+  // received]): before the endpoints close (a rendezvous message's sender
+  // is released through them) and again before the worker goes.
+  void discard_unexpected();
   // Flush-closes every endpoint, waiting at most `budget`, then force-closes
   // what is left. Safe to call twice.
   void close_endpoints(std::chrono::milliseconds budget);
@@ -87,6 +91,8 @@ class Transport {
   std::unique_ptr<UcxWorker> worker_;
   // The endpoint to `peer`, made now if this is the first message to it.
   ucp_ep_h endpoint_to(int peer);
+
+  char discard_sink_[1] = {};
 
   std::vector<std::vector<uint8_t>> addresses_;
   std::vector<ucp_ep_h> endpoints_;  // by rank; null until first used

@@ -170,5 +170,42 @@ TEST(Transport, ReportsTcpWhenThatIsAllUcxMayUse) {
   EXPECT_EQ(pair.ranks[0]->transports_to(1), std::vector<std::string>{"tcp/lo"});
 }
 
+TEST(Transport, MessagesNobodyReceivedAreDroppedAndTheirSendersReleased) {
+  // Note [messages nobody received]: what a failed collective leaves behind,
+  // an eager message and a rendezvous one (1 MiB), neither ever received.
+  Pair pair;
+  ASSERT_TRUE(pair.carry_one_message());
+  std::vector<char> small(8, 's'), large(1 << 20, 'l');
+  const uint64_t small_tag = tag::collective(3, 0, 0), large_tag = tag::collective(3, 1, 0);
+  Request small_send, large_send;
+  pair.ranks[0]->post_send(small_send, 1, small_tag, small.data(), small.size());
+  pair.ranks[0]->post_send(large_send, 1, large_tag, large.data(), large.size());
+  uint64_t found = 0;
+  auto waiting = [&](uint64_t tag) { return pair.ranks[1]->find_unexpected(tag, tag::kMatchAll, &found); };
+  for (int spins = 0; spins < 1000000 && !(waiting(small_tag) && waiting(large_tag)); ++spins) {
+    pair.ranks[0]->progress();
+    pair.ranks[1]->progress();
+  }
+  ASSERT_TRUE(waiting(small_tag) && waiting(large_tag)) << "the messages never arrived";
+  pair.ranks[0]->test(large_send);
+  EXPECT_FALSE(large_send.finished) << "a rendezvous send completed before any receive";
+
+  pair.ranks[1]->discard_unexpected();
+  EXPECT_FALSE(waiting(small_tag));
+  EXPECT_FALSE(waiting(large_tag));
+  // The rendezvous sender hears that its message was taken (cut short),
+  // so its request ends instead of waiting for the worker's destruction.
+  for (int spins = 0; spins < 1000000 && !(pair.ranks[0]->test(large_send) &&
+                                           pair.ranks[0]->test(small_send));
+       ++spins) {
+    pair.ranks[0]->progress();
+    pair.ranks[1]->progress();
+  }
+  EXPECT_TRUE(small_send.finished);
+  EXPECT_TRUE(large_send.finished) << "the rendezvous send was never released";
+  // The worker still works: a later message arrives whole.
+  ASSERT_TRUE(pair.carry_one_message());
+}
+
 }  // namespace
 }  // namespace fsdp_ext::comm

@@ -54,15 +54,18 @@ void FailureNoticeInbox::start(Transport& transport) {
 bool FailureNoticeInbox::poll(Transport& transport, FailureNotice* notice) {
   if (!posted_ || !transport.test(request_)) return false;
   posted_ = false;
-  notice->sender = tag::sender_of(request_.matched_tag);
-  if (request_.status != UCS_OK) {
-    // Canceled at shutdown, or the worker failed: no notice.
-    if (request_.status == UCS_ERR_CANCELED) return false;
+  if (request_.status == UCS_ERR_MESSAGE_TRUNCATED) {
+    // A notice longer than any this build sends: its sender is known.
+    notice->sender = tag::sender_of(request_.matched_tag);
     notice->kind = ErrorKind::kTransport;
-    notice->message = std::string("its failure notice could not be read: ") +
-                      ucs_status_string(request_.status);
+    notice->message = "it sent a failure notice longer than this build reads (a different "
+                      "fsdp_ext version?)";
     return true;
   }
+  // Canceled at shutdown, or the receive failed without matching a message
+  // (no sender to name): no notice.
+  if (request_.status != UCS_OK) return false;
+  notice->sender = tag::sender_of(request_.matched_tag);
   if (!decode_failure_notice(buffer_, request_.received, notice)) {
     notice->kind = ErrorKind::kTransport;
     notice->message = "it sent a failure notice of " + std::to_string(request_.received) +

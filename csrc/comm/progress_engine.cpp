@@ -89,7 +89,6 @@ ProgressEngine::ProgressEngine(EngineConfig config, std::unique_ptr<Transport> t
     wakeup_->watch_socket(connection.rank, connection.socket);
   }
   config_.liveness.clear();
-  notices_.start(*transport_);
   thread_ = std::thread([this] { thread_main(); });
 }
 
@@ -134,8 +133,12 @@ void ProgressEngine::shutdown() {
       }
     }
   }
-  orphans_.clear();
+  // A freed request still moves data while the worker progresses, and the
+  // transport's destructor progresses it (Note [messages nobody received]):
+  // the orphans' buffers (tensors, scratch, notice payloads) stay alive
+  // until the worker is gone.
   transport_.reset();
+  orphans_.clear();
 }
 
 void ProgressEngine::abort(const std::string& reason) {
@@ -338,11 +341,16 @@ const std::string& ProgressEngine::check_peers() {
   // A peer that failed and then exited (its script raised) is reported by
   // its notice, which says why, rather than by its exit. The notice left
   // before the process ended; it may still wait in the worker's queues, so
-  // a loss first progresses once to take it in, and the notice of a peer
-  // that is gone does not wait out its grace. A notice from a peer still
-  // alive while another is lost is the loss's consequence (its op failed
-  // on the lost peer's transport): the loss is reported.
-  if (!lost.empty()) transport_->progress();
+  // a loss first progresses until nothing more comes (a few rounds) to take
+  // it in, and the notice of a peer that is gone does not wait out its
+  // grace. A notice from a peer still alive, younger than its grace, while
+  // another peer is lost is the loss's consequence (its op failed on the
+  // lost peer's transport): the loss is reported. Best effort: a notice
+  // still in the kernel's buffers after that loses to the exit.
+  if (!lost.empty() && !notice_.has_value()) {
+    for (int round = 0; round < 16 && transport_->progress() > 0; ++round) {
+    }
+  }
   if (!notice_.has_value()) {
     if (FailureNotice notice; notices_.poll(*transport_, &notice)) {
       notice_ = std::move(notice);
@@ -354,7 +362,7 @@ const std::string& ProgressEngine::check_peers() {
         return peer.rank == notice_->sender;
       });
   const bool grace_over = notice_.has_value() && Clock::now() - notice_arrived_ >= kNoticeGrace;
-  if (sender_gone || (lost.empty() && grace_over)) {
+  if (sender_gone || grace_over) {
     const FailureNotice& notice = *notice_;
     peer_fault_ = describe_peer(notice.sender) + " stopped the group after its " +
                   (notice.seq != 0 ? "op #" + std::to_string(notice.seq) : std::string("op")) +
@@ -387,7 +395,7 @@ void ProgressEngine::tell_peers(uint64_t seq, const OpOutcome& failure) {
       transport_->post_send(request, peer, tag::failure_notice(config_.rank), payload->data(),
                             payload->size());
     } catch (const std::exception&) {
-      continue;  // no endpoint to a peer that is gone: it needs no notice
+      continue;  // UCX could not make an endpoint to it: that peer goes untold
     }
     sends.push_back(request);
   }
@@ -444,6 +452,10 @@ void ProgressEngine::idle_wait(IdleState& state, Clock::time_point until, bool i
 }
 
 void ProgressEngine::thread_main() {
+  // Posted here, not in the constructor, so that nothing is posted into the
+  // inbox unless this thread is there to retire it. A notice that arrived
+  // earlier waits unexpected and matches now.
+  notices_.start(*transport_);
   IdleState idle = fresh_idle_state(/*progressed=*/false);
   for (;;) {
     EngineOp op;

@@ -246,9 +246,10 @@ bool Transport::arm() {
 // like a second fault. So before its endpoints close, and again before the
 // worker goes, the transport receives each of them, oldest first, into a
 // one-byte sink: UCX cuts the message (truncated) and drops it. For a
-// rendezvous message that also releases its sender's request, whose
-// acknowledgement needs the endpoints still open; a sender that already
-// went is not waited for.
+// rendezvous message that also answers its sender, whose request then
+// completes (as a send to a receiver that took it: UCX reports it done);
+// the answer needs the endpoints still open. A sender that already went is
+// not waited for.
 void Transport::discard_unexpected() {
   constexpr int kMaxMessages = 4096;  // against a peer that keeps sending
   constexpr int kRoundsPerMessage = 100;
@@ -261,8 +262,9 @@ void Transport::discard_unexpected() {
       ucp_worker_progress(worker_->get());
     }
     if (!request.finished) {
-      // A rendezvous whose sender is gone: leave it, and the rest, to the
-      // worker's destruction (released, as close_endpoints does).
+      // A message still arriving in fragments (a sender that stalled or
+      // went): leave it, and the rest of the queue, to the worker's
+      // destruction (released, as close_endpoints does).
       ucp_request_cancel(worker_->get(), request.handle);
       ucp_request_free(request.handle);
       return;

@@ -193,8 +193,8 @@ TEST(Transport, MessagesNobodyReceivedAreDroppedAndTheirSendersReleased) {
   pair.ranks[1]->discard_unexpected();
   EXPECT_FALSE(waiting(small_tag));
   EXPECT_FALSE(waiting(large_tag));
-  // The rendezvous sender hears that its message was taken (cut short),
-  // so its request ends instead of waiting for the worker's destruction.
+  // The rendezvous sender is answered (its message was taken, cut to the
+  // sink), so its request ends instead of waiting for the worker's end.
   for (int spins = 0; spins < 1000000 && !(pair.ranks[0]->test(large_send) &&
                                            pair.ranks[0]->test(small_send));
        ++spins) {

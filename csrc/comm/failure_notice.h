@@ -7,9 +7,8 @@
 // timeout when a send is large enough to need the receiver (rendezvous); with
 // small (eager) sends its op completes and its next one would time out. So
 // would a rank further down a tree or ring that waits for data the failed
-// rank will never forward. So the failing rank
-// sends every peer a short notice: its rank, the op's number, the kind of
-// failure and its message. A rank that receives one fails what it is
+// rank will never forward. So the failing rank sends every peer a short
+// notice: its rank, the op's number, the kind of failure and its message. A rank that receives one fails what it is
 // waiting on, naming that rank and its reason, and refuses further work, as
 // after a lost peer. Not quite at once: for a short grace (kNoticeGrace,
 // progress_engine.cpp) the rank's own checks may report the failure first,
@@ -23,9 +22,9 @@
 // the tag space with a bit of its own (tag_scheme.h), so no user receive
 // and no collective receive can take it. Each engine keeps one receive for
 // it, from any sender, posted from the start of its progress thread until
-// the first notice arrives. Only the first notice
-// counts (the others stay unread until the worker's end: Note [messages
-// nobody received], transport.cpp). A rank that failed because of a notice
+// the first notice arrives. Only the first notice counts (the others stay
+// unread until the worker's end: Note [messages nobody received],
+// transport.cpp). A rank that failed because of a notice
 // does not send one again, and a lost peer (every rank watches its peers
 // itself) and an abort (this rank's own decision) send none; a rank whose
 // own check fails during the grace does send (at most one notice per rank

@@ -123,7 +123,6 @@ void ProgressEngine::shutdown() {
   wakeup_->notify_submitted();
   if (thread_.joinable()) thread_.join();
   // Force-close anything orphaned by a failure before the worker goes away.
-  transport_->discard_unexpected();
   transport_->close_endpoints(std::chrono::milliseconds(1000));
   for (Orphan& orphan : orphans_) {
     for (Request& request : orphan.requests) {

@@ -72,7 +72,6 @@ Transport::Transport(int rank, int size)
 
 Transport::~Transport() {
   ClosingEndpoints closing;  // Note [closing after the peer left]
-  if (worker_) discard_unexpected();
   close_endpoints(std::chrono::milliseconds(2000));
   if (worker_) discard_unexpected();  // what arrived while they closed
   worker_.reset();
@@ -275,6 +274,8 @@ void Transport::discard_unexpected() {
 void Transport::close_endpoints(std::chrono::milliseconds budget) {
   if (endpoints_.empty() || !worker_) return;
   ClosingEndpoints closing;  // Note [closing after the peer left]
+  // While the endpoints can still answer a rendezvous sender.
+  discard_unexpected();
   std::vector<void*> pending;
   for (ucp_ep_h& endpoint : endpoints_) {
     if (!endpoint) continue;

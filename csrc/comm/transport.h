@@ -77,11 +77,13 @@ class Transport {
   std::vector<std::string> transports_to(int peer) const;
 
   // Receives and drops the messages no receive took (Note [messages nobody
-  // received]): before the endpoints close (a rendezvous message's sender
-  // is released through them) and again before the worker goes.
+  // received]). close_endpoints does it first (a rendezvous message's
+  // sender is released through the endpoints), the destructor once more
+  // before the worker goes.
   void discard_unexpected();
-  // Flush-closes every endpoint, waiting at most `budget`, then force-closes
-  // what is left. Safe to call twice.
+  // Drops the messages no receive took, flush-closes every endpoint,
+  // waiting at most `budget`, then force-closes what is left. Safe to call
+  // twice.
   void close_endpoints(std::chrono::milliseconds budget);
 
  private:

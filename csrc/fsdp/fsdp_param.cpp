@@ -1,6 +1,7 @@
 #include "fsdp/fsdp_param.hpp"
 
 #include <c10/core/StorageImpl.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/Exception.h>
 #include <c10/util/strides.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -64,11 +65,27 @@ bool wider_floating(at::ScalarType a, at::ScalarType b) {
   return at::isFloatingType(a) && at::isFloatingType(b) && c10::elementSize(a) > c10::elementSize(b);
 }
 
+// Upstream frees and re-allocates these storages with
+// torch.UntypedStorage.resize_, which torch's memory trackers (MemTracker,
+// FSDPMemTracker) patch to see them: a resize passes no dispatch mode. While
+// a dispatch mode is active, ours go the same way, so that such a tracker
+// counts them as it counts upstream's. False: no mode (or a storage
+// Python cannot resize, such as shared memory's), nothing done.
+bool resize_where_modes_see_it(const at::Tensor& tensor, size_t bytes) {
+  if (c10::impl::TorchDispatchModeTLS::stack_len() == 0) return false;
+  if (!tensor.storage().resizable()) return false;
+  py::gil_scoped_acquire gil;
+  py::object storage = py::cast(tensor).attr("untyped_storage")();
+  storage.attr("resize_")(bytes);
+  return true;
+}
+
 // Storage is released and re-allocated in place, so every view of it (the
 // unsharded parameter, tensors autograd saved in forward) sees the new bytes.
 void release_storage(const at::Tensor& tensor) {
   c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
   if (storage->nbytes() == 0) return;
+  if (resize_where_modes_see_it(tensor, 0)) return;
   storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
   storage->set_nbytes(0);
 }
@@ -79,6 +96,7 @@ void allocate_storage(const at::Tensor& tensor) {
   if (storage->nbytes() == bytes) return;
   TORCH_INTERNAL_ASSERT(storage->allocator() != nullptr,
                         "fsdp_ext: all-gather output storage has no allocator");
+  if (resize_where_modes_see_it(tensor, bytes)) return;
   storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
   storage->set_nbytes(bytes);
 }

@@ -45,7 +45,8 @@ class HostBlockCache final : public c10::Allocator {
   static HostBlockCache& instance();
 
   // A CPU tensor of `numel` elements of `dtype` whose storage comes from the
-  // cache (and goes back to it when the storage frees or replaces it).
+  // cache (and goes back to it when the storage frees or replaces it); an
+  // ordinary torch.empty while a torch dispatch mode is active.
   static at::Tensor empty(int64_t numel, at::ScalarType dtype);
 
   c10::DataPtr allocate(size_t bytes) override;

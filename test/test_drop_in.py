@@ -233,34 +233,139 @@ def test_modules_of_upstreams_runtime_are_refused_by_ours_with_a_clear_error():
             assert "torch.distributed.fsdp.fully_shard, not torch_fsdp_ext's" in message, message
 
 
-def check_memory_trackers(ctx):
-    """torch's FSDPMemTracker on our module: refused at its start, naming the
-    tool and MemTracker, with the module's hooks untouched (a step runs after);
-    on upstream's it runs (the tool works in this torch); MemTracker on ours."""
-    import torch.distributed.fsdp as upstream
+# The states FSDPMemTracker records per module, and the kinds of memory whose
+# sizes follow from the model alone (its parameters, their unsharded copies
+# and gradients, the optimizer's state). Peak snapshots are left out: they
+# land wherever the peak fell, which garbage collection moves. Where ours and
+# upstream's differ by design: the collectives' buffers (ours frees the
+# forward's flat all-gather output sooner), and the sharded gradients, which ours makes when
+# the next group's reduce-scatter completes, so the tracker counts them as
+# temporary memory.
+_TRACKED_KINDS = ("SHARDED_PARAM", "UNSHARDED_PARAM", "UNSHARDED_GRAD", "OPT")
+
+
+def _track_memory(fully_shard, steps=2):
+    """A small model sharded per block, trained `steps` steps under torch's
+    FSDPMemTracker (its statistics reset after the first); returns the
+    tracker's per-module snapshots, the parameters after training, and the
+    model (whose hooks the tracker handed back)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    for block in (model[0], model[2]):
+        fully_shard(block, mesh=_mesh())
+    fully_shard(model, mesh=_mesh())
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    tracker = FSDPMemTracker(model, optim)
+    with tracker:
+        for step in range(steps):
+            model(torch.full((4, 64), 1.0 + dist.get_rank() + step)).sum().backward()
+            optim.step()
+            optim.zero_grad()
+            if step == 0:
+                tracker.reset_mod_stats()
+    snapshots = {}
+    for stats in tracker.memory_tracking.values():
+        for state, taken in stats.snapshots.items():
+            if state.name.startswith("PEAK"):
+                continue
+            sizes = {kind.name: size for kind, size in taken[-1][torch.device("cpu")].items()
+                     if hasattr(kind, "name")}
+            snapshots[(stats.mod_fqn, state.name)] = {k: sizes[k] for k in _TRACKED_KINDS}
+    params = [p.full_tensor().clone() for p in model.parameters()]
+    return snapshots, params, model
+
+
+def check_fsdp_mem_tracker(ctx):
+    import torch.distributed.fsdp as upstream
+
+    import torch_fsdp_ext
+
+    theirs, _, _ = _track_memory(upstream.fully_shard)
+    ours, params, model = _track_memory(torch_fsdp_ext.fully_shard)
+    untracked = _train_without_tracker(torch_fsdp_ext.fully_shard)
+    # The tracker handed every hook back: the C++ forward hooks in their
+    # place, the groups' backward methods their own again.
+    restored = []
+    for block in (model[0], model[2]):
+        state = block._get_fsdp_state()
+        group = state._fsdp_param_group
+        restored.append(all(hook in block._forward_pre_hooks.values() or
+                            hook in block._forward_hooks.values()
+                            for hook in state._cpp_forward_hooks))
+        restored.append(type(group.pre_backward).__name__ == "builtin_function_or_method")
+        restored.append(type(group.post_backward).__name__ == "builtin_function_or_method")
+    return {
+        "ours": ours,
+        "theirs": theirs,
+        "same training": all(torch.equal(a, b) for a, b in zip(params, untracked)),
+        "restored": restored,
+    }
+
+
+def _train_without_tracker(fully_shard, steps=2):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    for block in (model[0], model[2]):
+        fully_shard(block, mesh=_mesh())
+    fully_shard(model, mesh=_mesh())
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    for step in range(steps):
+        model(torch.full((4, 64), 1.0 + dist.get_rank() + step)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    return [p.full_tensor().clone() for p in model.parameters()]
+
+
+def test_fsdp_mem_tracker_on_our_modules_counts_what_it_counts_on_upstreams():
+    """torch's FSDPMemTracker instruments our modules as upstream's: the same
+    modules and phases, the same parameter, gradient and optimizer memory in
+    each; training under it is bit for bit training without it; on exit our
+    C++ hooks are back."""
+    for result in get_pool(2).run(check_fsdp_mem_tracker):
+        ours, theirs = result["ours"], result["theirs"]
+        assert sorted(ours) == sorted(theirs), (sorted(ours), sorted(theirs))
+        assert len(ours) == 16, sorted(ours)  # 2 blocks x 8 phases
+        for key in theirs:
+            assert ours[key] == theirs[key], (key, "ours", ours[key], "upstream", theirs[key])
+        # Not vacuous: the blocks' unsharded parameters were seen after unsharding.
+        assert ours[("FSDPSequential.0", "AFT_PRE_FW")]["UNSHARDED_PARAM"] > 0, ours
+        assert result["same training"], result
+        assert all(result["restored"]), result["restored"]
+
+
+def check_fsdp_mem_tracker_grouped(ctx):
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    import torch_fsdp_ext
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    torch_fsdp_ext.fully_shard([model[0], model[1]], mesh=_mesh())
+    torch_fsdp_ext.fully_shard(model, mesh=_mesh())
+    try:
+        with FSDPMemTracker(model):
+            pass
+        message = "ran"
+    except NotImplementedError as error:
+        message = str(error)
+    model(torch.ones(2, 8)).sum().backward()  # its hooks untouched
+    return message, all(p.grad is not None for p in model.parameters())
+
+
+def test_fsdp_mem_tracker_refuses_a_state_of_several_modules_up_front():
+    for message, trained in get_pool(2).run(check_fsdp_mem_tracker_grouped):
+        assert "several modules (FSDPLinear, FSDPLinear)" in message, message
+        assert "FSDPMemTracker" in message and "mem_tracker.MemTracker" in message, message
+        assert trained
+
+
+def check_mem_tracker(ctx):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     import torch_fsdp_ext
 
-    results = {}
-    for name, shard in (("ours", torch_fsdp_ext.fully_shard), ("upstream", upstream.fully_shard)):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-        for block in model:
-            shard(block, mesh=_mesh())
-        shard(model, mesh=_mesh())
-        optim = torch.optim.SGD(model.parameters(), lr=0.1)
-        tracker = FSDPMemTracker(model, optim)
-        try:
-            with tracker:
-                model(torch.ones(2, 8)).sum().backward()
-                optim.step()
-            results[name] = "ran"
-        except NotImplementedError as error:
-            results[name] = f"NotImplementedError: {error}"
-        model(torch.ones(2, 8)).sum().backward()  # the hooks still work
-        optim.step()
     tracker = MemTracker()
     model = torch_fsdp_ext.fully_shard(nn.Linear(8, 8), mesh=_mesh())
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -268,18 +373,13 @@ def check_memory_trackers(ctx):
     with tracker:
         model(torch.ones(2, 8)).sum().backward()
         optim.step()
-    results["MemTracker peak"] = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-    return results
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
-def test_fsdp_mem_tracker_refuses_our_modules_up_front():
-    for results in get_pool(2).run(check_memory_trackers):
-        assert results["upstream"] == "ran", results
-        ours = results["ours"]
-        assert ours.startswith("NotImplementedError") and "FSDPMemTracker" in ours, ours
-        assert "mem_tracker.MemTracker" in ours and "Linear" in ours, ours  # the first block
+def test_mem_tracker_on_our_modules():
+    for peak in get_pool(2).run(check_mem_tracker):
         # Parameters, gradients and activations of the 8x8 layer (its shard) at least.
-        assert results["MemTracker peak"] > 0, results
+        assert peak >= (8 * 8 + 8) * 4 // 2, peak
 
 
 # --------------------------------------------------------------------------

@@ -602,6 +602,18 @@ void FsdpParamGroup::prefetch_unshard(TrainingState state) {
   training_state_ = previous;
 }
 
+void FsdpParamGroup::run_pre_backward() {
+  if (!pre_backward_method_.replaced()) return pre_backward();
+  py::gil_scoped_acquire gil;
+  pre_backward_method_.replacement()();
+}
+
+void FsdpParamGroup::run_post_backward() {
+  if (!post_backward_method_.replaced()) return post_backward();
+  py::gil_scoped_acquire gil;
+  post_backward_method_.replacement()();
+}
+
 void FsdpParamGroup::post_backward() {
   training_state_ = TrainingState::kPostBackward;
   post_backward_pending_ = !options_.reduce_grads;
@@ -1023,7 +1035,7 @@ void FsdpParamGroup::finish_backward(bool is_last_backward, bool defer_reduction
     if (defer_reduction && options_.reduce_grads) {
       post_backward_pending_ = true;
     } else {
-      post_backward();
+      run_post_backward();
     }
   }
   training_state_ = TrainingState::kIdle;

@@ -35,6 +35,7 @@
 #include "fsdp/comm_context.hpp"
 #include "fsdp/fsdp_param.hpp"
 #include "fsdp/host_shared_parameters.hpp"
+#include "fsdp/replaceable_method.hpp"
 #include "fsdp/training_state.hpp"
 
 namespace fsdp_ext::fsdp {
@@ -125,6 +126,13 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   // or (none set) the group whose forward finished just before this one's.
   void pre_backward();
   void post_backward();
+  // What the autograd hooks and the end of backward call: pre_backward /
+  // post_backward, or what Python assigned in their place (Note [a group's
+  // backward methods replaced from Python], replaceable_method.hpp).
+  void run_pre_backward();
+  void run_post_backward();
+  ReplaceableMethod& pre_backward_method() { return pre_backward_method_; }
+  ReplaceableMethod& post_backward_method() { return post_backward_method_; }
   void finalize_backward();
   // The root's end-of-backward callback, for every group: post_backward if
   // autograd did not run it, back to IDLE, finalize after the last backward.
@@ -305,6 +313,8 @@ class FSDP_EXT_HIDDEN FsdpParamGroup : public std::enable_shared_from_this<FsdpP
   uint64_t host_shared_epoch_ = 0;  // unshards so far (every rank alike)
   std::vector<int64_t> host_shared_column_peers_;  // shard-group ranks on other hosts
   std::vector<size_t> post_forward_indices_;
+  ReplaceableMethod pre_backward_method_{"pre_backward"};
+  ReplaceableMethod post_backward_method_{"post_backward"};
   // Weak: targets are other groups, which may own (prefetch) this one.
   std::vector<std::weak_ptr<FsdpParamGroup>> forward_prefetch_;
   std::vector<std::weak_ptr<FsdpParamGroup>> backward_prefetch_;

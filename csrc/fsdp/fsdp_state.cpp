@@ -150,7 +150,7 @@ void FsdpState::finish_backward(bool is_last_backward, bool defer_reduction) {
 void FsdpState::pre_backward() {
   training_state_ = TrainingState::kPreBackward;
   context_->queue_final_callback();
-  for (const auto& group : groups_) group->pre_backward();
+  for (const auto& group : groups_) group->run_pre_backward();
   for (const auto& weak_target : groupless_backward_prefetch_) {
     if (auto target = weak_target.lock()) target->prefetch_unshard(TrainingState::kPreBackward);
   }

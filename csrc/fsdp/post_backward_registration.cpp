@@ -45,7 +45,7 @@ struct PostBackward : torch::autograd::Function<PostBackward> {
       std::shared_ptr<FsdpState> state = target->state.lock();
       std::shared_ptr<FsdpParamGroup> group = target->group.lock();
       if (state && group) {
-        group->post_backward();
+        group->run_post_backward();
         // Note [end of backward for a partial grouped forward] (docs/design.md).
         state->context()->queue_final_callback();
       }

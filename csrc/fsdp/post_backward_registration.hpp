@@ -28,7 +28,7 @@
 namespace fsdp_ext::fsdp {
 
 // `inputs`, each of which requires grad, wrapped by one node whose backward
-// calls group->post_backward() and queues the state's end-of-backward
+// calls group->run_post_backward() and queues the state's end-of-backward
 // callback (with the GIL). Returns the wrapped tensors, in order.
 std::vector<at::Tensor> register_post_backward(const std::shared_ptr<FsdpState>& state,
                                                const std::shared_ptr<FsdpParamGroup>& group,

@@ -42,6 +42,18 @@ CollectiveGroup collective_group(const py::object& group) {
   return CollectiveGroup(std::move(process_group), group, python_impl);
 }
 
+// `group.<method>()` as a Python callable that holds the group weakly: the
+// group keeps it (ReplaceableMethod), so a strong reference would be a cycle.
+py::object bound_group_method(const std::shared_ptr<FsdpParamGroup>& group,
+                              void (FsdpParamGroup::*method)()) {
+  std::weak_ptr<FsdpParamGroup> weak = group;
+  return py::cpp_function([weak, method] {
+    std::shared_ptr<FsdpParamGroup> alive = weak.lock();
+    if (!alive) throw std::runtime_error("FsdpParamGroup method called after its group was freed");
+    ((*alive).*method)();
+  });
+}
+
 }  // namespace
 
 void bind_fsdp_runtime(py::module_& m) {
@@ -116,6 +128,8 @@ void bind_fsdp_runtime(py::module_& m) {
       .def_property_readonly("unsharded_grad_dtype", &FsdpParam::unsharded_grad_dtype,
                              "The dtype its gradient is reduced in (None: the gradient's own).")
       .def_property_readonly("unsharded_param", &FsdpParam::unsharded_param)
+      .def_property_readonly("_unsharded_param", &FsdpParam::unsharded_param,
+                             "upstream's name of unsharded_param (read by torch's FSDPMemTracker)")
       .def_property_readonly("shard_dim", &FsdpParam::shard_dim)
       .def_property_readonly("padded_sharded_data", &FsdpParam::padded_sharded_data)
       .def_property_readonly("is_meta", &FsdpParam::is_meta)
@@ -190,12 +204,30 @@ void bind_fsdp_runtime(py::module_& m) {
       .def("reshard", &FsdpParamGroup::reshard)
       .def("pre_forward", &FsdpParamGroup::pre_forward)
       .def("post_forward", &FsdpParamGroup::post_forward, py::arg("inside_backward"))
-      .def("pre_backward", &FsdpParamGroup::pre_backward)
+      // Properties, not methods: Python may assign them, as upstream's tools
+      // do (Note [a group's backward methods replaced from Python]).
+      .def_property(
+          "pre_backward",
+          [](const std::shared_ptr<FsdpParamGroup>& self) {
+            return self->pre_backward_method().get(
+                [&] { return bound_group_method(self, &FsdpParamGroup::pre_backward); });
+          },
+          [](FsdpParamGroup& self, py::object value) {
+            self.pre_backward_method().set(std::move(value));
+          })
       .def("set_forward_prefetch", &FsdpParamGroup::set_forward_prefetch, py::arg("targets"))
       .def("set_backward_prefetch", &FsdpParamGroup::set_backward_prefetch, py::arg("targets"),
            py::arg("replaces_implicit"))
       .def("prefetch_forward_targets", &FsdpParamGroup::prefetch_forward_targets)
-      .def("post_backward", &FsdpParamGroup::post_backward)
+      .def_property(
+          "post_backward",
+          [](const std::shared_ptr<FsdpParamGroup>& self) {
+            return self->post_backward_method().get(
+                [&] { return bound_group_method(self, &FsdpParamGroup::post_backward); });
+          },
+          [](FsdpParamGroup& self, py::object value) {
+            self.post_backward_method().set(std::move(value));
+          })
       .def("finish_backward", &FsdpParamGroup::finish_backward, py::arg("is_last_backward"),
            py::arg("defer_reduction") = false)
       .def("finalize_backward", &FsdpParamGroup::finalize_backward)
@@ -213,6 +245,7 @@ void bind_fsdp_runtime(py::module_& m) {
       .def_property("profile_label_suffix", &FsdpParamGroup::profile_label_suffix,
                     &FsdpParamGroup::set_profile_label_suffix)
       .def_property_readonly("params", &FsdpParamGroup::params)
+      .def_property_readonly("fsdp_params", &FsdpParamGroup::params, "upstream's name of params")
       .def_property_readonly("uses_post_forward_mesh", &FsdpParamGroup::uses_post_forward_mesh)
       .def_property_readonly("shard_group",
                              [](const FsdpParamGroup& g) { return g.shard_group().process_group(); })

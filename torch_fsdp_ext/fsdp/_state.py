@@ -128,19 +128,6 @@ class StateContext:
         self.hooks.set_forward_root(None if state is None else state._hooks)
 
 
-def _refuse_upstream_hook_tool(state: "FSDPState", attribute: str) -> NotImplementedError:
-    modules = ", ".join(type(m).__name__ for m in state._modules) or "a module"
-    return NotImplementedError(
-        f"{attribute} was read from torch_fsdp_ext's FSDP state of {modules}: that is upstream "
-        "FSDP2's hook handle, which tools that re-wire upstream's hooks use (torch.distributed."
-        "_tools.fsdp2_mem_tracker.FSDPMemTracker). torch_fsdp_ext's fully_shard keeps its hooks "
-        "and parameter groups in its own runtime, so such a tool cannot instrument it. For memory "
-        "by module and phase (forward, backward, optimizer step) use torch.distributed._tools."
-        "mem_tracker.MemTracker, which works on these modules (docs/design.md, \"torch's FSDP "
-        "tools\")."
-    )
-
-
 class FSDPState(_State):
     def __init__(self) -> None:
         super().__init__()
@@ -187,19 +174,64 @@ class FSDPState(_State):
             )
         return groups[0] if groups else None
 
-    # Upstream's hook handles, which tools that re-wire upstream FSDP2's hooks
-    # read first (torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker
-    # swaps them for its own, then patches FSDPParamGroup methods and reads
-    # FSDPParam storage). Our hooks and groups live in our runtime, so such a
-    # tool cannot instrument ours: a clear refusal here, before it changes
-    # anything, instead of a deep AttributeError.
+    # Note [upstream's hook handles and hooks, for the tools that re-wire them]:
+    # torch's FSDPMemTracker (torch.distributed._tools.fsdp2_mem_tracker)
+    # removes a state's forward hooks through these handles, registers
+    # wrappers around `_pre_forward` / `_post_forward` (upstream's signatures,
+    # which ours share) in their place, and on exit registers those two
+    # methods again and assigns the new handles here. Registered as they are,
+    # the Python hooks would take every forward from then on; the C++ hooks
+    # do the same steps and hand every case they do not take to these same
+    # methods (csrc/fsdp/forward_hooks.hpp), so where a handle assigned here
+    # holds one of those methods, its C++ hook takes its place under the same
+    # handle. Backward: csrc/fsdp/replaceable_method.hpp.
     @property
     def _pre_forward_hook_handle(self):
-        raise _refuse_upstream_hook_tool(self, "_pre_forward_hook_handle")
+        return self._forward_hook_handle(0, "_pre_forward_hook_handle")
+
+    @_pre_forward_hook_handle.setter
+    def _pre_forward_hook_handle(self, handle) -> None:
+        self._forward_hook_handle(0, "_pre_forward_hook_handle")
+        self._hook_handles[0] = handle
+        self._restore_cpp_hook(handle, FSDPState._pre_forward, 0)
 
     @property
     def _post_forward_hook_handle(self):
-        raise _refuse_upstream_hook_tool(self, "_post_forward_hook_handle")
+        return self._forward_hook_handle(1, "_post_forward_hook_handle")
+
+    @_post_forward_hook_handle.setter
+    def _post_forward_hook_handle(self, handle) -> None:
+        self._forward_hook_handle(1, "_post_forward_hook_handle")
+        self._hook_handles[1] = handle
+        self._restore_cpp_hook(handle, FSDPState._post_forward, 1)
+
+    def _forward_hook_handle(self, index: int, attribute: str):
+        if len(self._modules) != 1:
+            # Upstream's tools swap the hooks of each module for ungrouped
+            # ones, which would end the group's forward after its first module.
+            names = ", ".join(type(m).__name__ for m in self._modules)
+            raise NotImplementedError(
+                f"{attribute} of the fully_shard state of several modules ({names}): tools that "
+                "re-register FSDP's forward hooks per module (torch.distributed._tools."
+                "fsdp2_mem_tracker.FSDPMemTracker) are supported on states of one module only; "
+                "torch.distributed._tools.mem_tracker.MemTracker works on these modules")
+        return self._hook_handles[index]
+
+    def _restore_cpp_hook(self, handle, method: Callable, index: int) -> None:
+        hooks = handle.hooks_dict_ref()
+        hook = None if hooks is None else hooks.get(handle.id)
+        if getattr(hook, "__self__", None) is not self or getattr(hook, "__func__", None) \
+                is not method:
+            return  # a tool's wrapper: it runs as registered
+        module = self._modules[0]
+        # The C++ pre-hook takes keyword arguments, the post-hook does not.
+        kwargs_flags = module._forward_pre_hooks_with_kwargs if index == 0 \
+            else module._forward_hooks_with_kwargs
+        if (handle.id in kwargs_flags) != (index == 0):
+            return
+        # In place: the same position among the module's hooks, the same
+        # handle and flags (always_call); only the callable changes.
+        hooks[handle.id] = self._cpp_forward_hooks[index]
 
     # Set-up ------------------------------------------------------------------
 
@@ -222,6 +254,7 @@ class FSDPState(_State):
             pre, post = _C._fsdp_forward_hooks(self._hooks,
                                                _weak_hook(self, FSDPState._pre_forward),
                                                _weak_hook(self, FSDPState._post_forward))
+            self._cpp_forward_hooks = (pre, post)
             self._hook_handles = [
                 modules[0].register_forward_pre_hook(pre, prepend=True, with_kwargs=True),
                 modules[0].register_forward_hook(post, prepend=False),

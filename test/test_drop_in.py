@@ -244,27 +244,35 @@ def test_modules_of_upstreams_runtime_are_refused_by_ours_with_a_clear_error():
 _TRACKED_KINDS = ("SHARDED_PARAM", "UNSHARDED_PARAM", "UNSHARDED_GRAD", "OPT")
 
 
-def _track_memory(fully_shard, steps=2):
-    """A small model sharded per block, trained `steps` steps under torch's
-    FSDPMemTracker (its statistics reset after the first); returns the
-    tracker's per-module snapshots, the parameters after training, and the
-    model (whose hooks the tracker handed back)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
+def _tracker_model(fully_shard):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
     for block in (model[0], model[2]):
         fully_shard(block, mesh=_mesh())
     fully_shard(model, mesh=_mesh())
-    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+
+def _tracker_step(model, optim, step):
+    model(torch.full((4, 64), 1.0 + dist.get_rank() + step)).sum().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _track_memory(fully_shard):
+    """A small model sharded per block: one step, two under torch's
+    FSDPMemTracker (its statistics reset after the first), one after. Returns
+    the tracker's per-module snapshots, the parameters after training, and
+    the model (whose hooks the tracker handed back)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    model, optim = _tracker_model(fully_shard)
+    _tracker_step(model, optim, 0)  # its buffers made before the tracker watches
     tracker = FSDPMemTracker(model, optim)
     with tracker:
-        for step in range(steps):
-            model(torch.full((4, 64), 1.0 + dist.get_rank() + step)).sum().backward()
-            optim.step()
-            optim.zero_grad()
-            if step == 0:
-                tracker.reset_mod_stats()
+        _tracker_step(model, optim, 1)
+        tracker.reset_mod_stats()
+        _tracker_step(model, optim, 2)
     snapshots = {}
     for stats in tracker.memory_tracking.values():
         for state, taken in stats.snapshots.items():
@@ -273,6 +281,7 @@ def _track_memory(fully_shard, steps=2):
             sizes = {kind.name: size for kind, size in taken[-1][torch.device("cpu")].items()
                      if hasattr(kind, "name")}
             snapshots[(stats.mod_fqn, state.name)] = {k: sizes[k] for k in _TRACKED_KINDS}
+    _tracker_step(model, optim, 3)  # through the hooks handed back
     params = [p.full_tensor().clone() for p in model.parameters()]
     return snapshots, params, model
 
@@ -281,41 +290,46 @@ def check_fsdp_mem_tracker(ctx):
     import torch.distributed.fsdp as upstream
 
     import torch_fsdp_ext
+    from torch_fsdp_ext import _C
 
     theirs, _, _ = _track_memory(upstream.fully_shard)
     ours, params, model = _track_memory(torch_fsdp_ext.fully_shard)
-    untracked = _train_without_tracker(torch_fsdp_ext.fully_shard)
+    untracked, optim = _tracker_model(torch_fsdp_ext.fully_shard)
+    for step in range(4):
+        _tracker_step(untracked, optim, step)
     # The tracker handed every hook back: the C++ forward hooks in their
     # place, the groups' backward methods their own again.
     restored = []
     for block in (model[0], model[2]):
         state = block._get_fsdp_state()
         group = state._fsdp_param_group
-        restored.append(all(hook in block._forward_pre_hooks.values() or
-                            hook in block._forward_hooks.values()
-                            for hook in state._cpp_forward_hooks))
+        restored.append(state._cpp_forward_hooks[0] in block._forward_pre_hooks.values())
+        restored.append(state._cpp_forward_hooks[1] in block._forward_hooks.values())
         restored.append(type(group.pre_backward).__name__ == "builtin_function_or_method")
         restored.append(type(group.post_backward).__name__ == "builtin_function_or_method")
+    # After the tracker, buffers come from the block cache again, also those
+    # first made while it watched: a step frees as much into the cache as a
+    # step of a model it never watched.
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    first_tracked = _tracker_model(torch_fsdp_ext.fully_shard)
+    with FSDPMemTracker(*first_tracked):
+        _tracker_step(*first_tracked, 0)
+    never_tracked = _tracker_model(torch_fsdp_ext.fully_shard)
+    _tracker_step(*never_tracked, 0)
+    idle = []
+    for trained in (first_tracked, never_tracked):
+        _C._fsdp_host_cache_release_idle()
+        _tracker_step(*trained, 1)
+        idle.append(_C._fsdp_host_cache_idle_bytes())
     return {
         "ours": ours,
         "theirs": theirs,
-        "same training": all(torch.equal(a, b) for a, b in zip(params, untracked)),
+        "same training": all(torch.equal(a, b.full_tensor())
+                             for a, b in zip(params, untracked.parameters())),
         "restored": restored,
+        "cache idle bytes after a step (first tracked, never tracked)": idle,
     }
-
-
-def _train_without_tracker(fully_shard, steps=2):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
-    for block in (model[0], model[2]):
-        fully_shard(block, mesh=_mesh())
-    fully_shard(model, mesh=_mesh())
-    optim = torch.optim.Adam(model.parameters(), lr=0.1)
-    for step in range(steps):
-        model(torch.full((4, 64), 1.0 + dist.get_rank() + step)).sum().backward()
-        optim.step()
-        optim.zero_grad()
-    return [p.full_tensor().clone() for p in model.parameters()]
 
 
 def test_fsdp_mem_tracker_on_our_modules_counts_what_it_counts_on_upstreams():
@@ -333,6 +347,8 @@ def test_fsdp_mem_tracker_on_our_modules_counts_what_it_counts_on_upstreams():
         assert ours[("FSDPSequential.0", "AFT_PRE_FW")]["UNSHARDED_PARAM"] > 0, ours
         assert result["same training"], result
         assert all(result["restored"]), result["restored"]
+        idle = result["cache idle bytes after a step (first tracked, never tracked)"]
+        assert idle[0] == idle[1] > 0, idle
 
 
 def check_fsdp_mem_tracker_grouped(ctx):

@@ -1,7 +1,7 @@
 #include "fsdp/fsdp_param.hpp"
 
 #include <c10/core/StorageImpl.h>
-#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 #include <c10/util/strides.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "fsdp/host_block_cache.hpp"
+#include "fsdp/memory_tracker_mode.hpp"
 #include "fsdp/shard_extent.hpp"
 #include "torch_compat.hpp"
 
@@ -66,14 +67,12 @@ bool wider_floating(at::ScalarType a, at::ScalarType b) {
 }
 
 // Upstream frees and re-allocates these storages with
-// torch.UntypedStorage.resize_, which torch's memory trackers (MemTracker,
-// FSDPMemTracker) patch to see them: a resize passes no dispatch mode. While
-// a dispatch mode is active, ours go the same way, so that such a tracker
-// counts them as it counts upstream's. False: no mode (or a storage
-// Python cannot resize, such as shared memory's), nothing done.
-bool resize_where_modes_see_it(const at::Tensor& tensor, size_t bytes) {
-  if (c10::impl::TorchDispatchModeTLS::stack_len() == 0) return false;
-  if (!tensor.storage().resizable()) return false;
+// torch.UntypedStorage.resize_, which torch's memory tracker patches to see
+// them (memory_tracker_mode.hpp). While it watches, ours go the same way.
+// False: not watching (or a storage Python cannot resize, such as shared
+// memory's), nothing done.
+bool resize_where_the_tracker_sees_it(const at::Tensor& tensor, size_t bytes) {
+  if (!tensor.storage().resizable() || !memory_tracker_active()) return false;
   py::gil_scoped_acquire gil;
   py::object storage = py::cast(tensor).attr("untyped_storage")();
   storage.attr("resize_")(bytes);
@@ -85,7 +84,7 @@ bool resize_where_modes_see_it(const at::Tensor& tensor, size_t bytes) {
 void release_storage(const at::Tensor& tensor) {
   c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
   if (storage->nbytes() == 0) return;
-  if (resize_where_modes_see_it(tensor, 0)) return;
+  if (resize_where_the_tracker_sees_it(tensor, 0)) return;
   storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
   storage->set_nbytes(0);
 }
@@ -96,7 +95,13 @@ void allocate_storage(const at::Tensor& tensor) {
   if (storage->nbytes() == bytes) return;
   TORCH_INTERNAL_ASSERT(storage->allocator() != nullptr,
                         "fsdp_ext: all-gather output storage has no allocator");
-  if (resize_where_modes_see_it(tensor, bytes)) return;
+  if (resize_where_the_tracker_sees_it(tensor, bytes)) return;
+  // A host storage first made while the tracker watched has torch's CPU
+  // allocator (HostBlockCache::empty): back to the cache from now on. Safe to
+  // switch: data already held is freed by its own DataPtr's deleter.
+  if (storage->device().is_cpu() && storage->allocator() == c10::GetCPUAllocator()) {
+    storage->set_allocator(&HostBlockCache::instance());
+  }
   storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
   storage->set_nbytes(bytes);
 }

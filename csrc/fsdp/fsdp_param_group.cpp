@@ -605,13 +605,17 @@ void FsdpParamGroup::prefetch_unshard(TrainingState state) {
 void FsdpParamGroup::run_pre_backward() {
   if (!pre_backward_method_.replaced()) return pre_backward();
   py::gil_scoped_acquire gil;
-  pre_backward_method_.replacement()();
+  // A copy: the call may assign the attribute again (a tool's exit).
+  py::object replacement = pre_backward_method_.replacement();
+  replacement();
 }
 
 void FsdpParamGroup::run_post_backward() {
   if (!post_backward_method_.replaced()) return post_backward();
   py::gil_scoped_acquire gil;
-  post_backward_method_.replacement()();
+  // A copy: the call may assign the attribute again (a tool's exit).
+  py::object replacement = post_backward_method_.replacement();
+  replacement();
 }
 
 void FsdpParamGroup::post_backward() {

@@ -2,9 +2,10 @@
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
+
+#include "fsdp/memory_tracker_mode.hpp"
 
 namespace fsdp_ext::fsdp {
 
@@ -14,14 +15,9 @@ HostBlockCache& HostBlockCache::instance() {
 }
 
 at::Tensor HostBlockCache::empty(int64_t numel, at::ScalarType dtype) {
-  // The cache's tensors are made below the dispatcher, where a torch
-  // dispatch mode cannot see them. While one is active (torch's
-  // FSDPMemTracker, which counts every buffer and fails on a collective's
-  // buffer it never saw made; a fake-tensor mode; CommDebugMode), the buffer
-  // is an ordinary torch.empty, made through the mode as upstream's are.
-  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
-    return at::empty({numel}, at::TensorOptions().dtype(dtype));
-  }
+  // Seen by torch's memory tracker, as upstream's buffers are
+  // (memory_tracker_mode.hpp).
+  if (memory_tracker_active()) return at::empty({numel}, at::TensorOptions().dtype(dtype));
   return at::detail::empty_generic({numel}, &instance(), c10::DispatchKeySet(c10::DispatchKey::CPU),
                                    dtype, std::nullopt);
 }

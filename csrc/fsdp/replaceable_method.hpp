@@ -11,6 +11,9 @@
 // (FsdpParamGroup::run_pre_backward / run_post_backward). Python reads the
 // replacement, or else one bound callable made once, so that assigning the
 // value read earlier restores the C++ path with no Python frame left in it.
+// A replacement that refers to the module (the tool's wrappers do) makes a
+// cycle through this C++ object, which Python's collector cannot see: it
+// lasts until the original is assigned back (the tool's exit does).
 #pragma once
 
 #include <pybind11/pybind11.h>

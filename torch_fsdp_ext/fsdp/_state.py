@@ -218,12 +218,14 @@ class FSDPState(_State):
         return self._hook_handles[index]
 
     def _restore_cpp_hook(self, handle, method: Callable, index: int) -> None:
+        module = self._modules[0]
         hooks = handle.hooks_dict_ref()
-        hook = None if hooks is None else hooks.get(handle.id)
+        if hooks is not (module._forward_pre_hooks if index == 0 else module._forward_hooks):
+            return  # a handle to another module's hooks (or to none left)
+        hook = hooks.get(handle.id)
         if getattr(hook, "__self__", None) is not self or getattr(hook, "__func__", None) \
                 is not method:
             return  # a tool's wrapper: it runs as registered
-        module = self._modules[0]
         # The C++ pre-hook takes keyword arguments, the post-hook does not.
         kwargs_flags = module._forward_pre_hooks_with_kwargs if index == 0 \
             else module._forward_hooks_with_kwargs

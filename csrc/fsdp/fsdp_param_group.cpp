@@ -603,19 +603,11 @@ void FsdpParamGroup::prefetch_unshard(TrainingState state) {
 }
 
 void FsdpParamGroup::run_pre_backward() {
-  if (!pre_backward_method_.replaced()) return pre_backward();
-  py::gil_scoped_acquire gil;
-  // A copy: the call may assign the attribute again (a tool's exit).
-  py::object replacement = pre_backward_method_.replacement();
-  replacement();
+  pre_backward_method_.call([this] { pre_backward(); });
 }
 
 void FsdpParamGroup::run_post_backward() {
-  if (!post_backward_method_.replaced()) return post_backward();
-  py::gil_scoped_acquire gil;
-  // A copy: the call may assign the attribute again (a tool's exit).
-  py::object replacement = post_backward_method_.replacement();
-  replacement();
+  post_backward_method_.call([this] { post_backward(); });
 }
 
 void FsdpParamGroup::post_backward() {

@@ -54,8 +54,15 @@ class FSDP_EXT_HIDDEN ReplaceableMethod {
     replacement_ = std::move(value);
   }
 
-  bool replaced() const { return static_cast<bool>(replacement_); }
-  const py::object& replacement() const { return replacement_; }
+  // The replacement if there is one (with the GIL), else `original()`.
+  template <typename Original>
+  void call(Original&& original) {
+    if (!replacement_) return original();
+    py::gil_scoped_acquire gil;
+    // A copy: the call may assign the attribute again (a tool's exit).
+    py::object replacement = replacement_;
+    replacement();
+  }
 
  private:
   const char* name_;

@@ -54,6 +54,21 @@ py::object bound_group_method(const std::shared_ptr<FsdpParamGroup>& group,
   });
 }
 
+// The getter and setter of a group method Python may assign
+// (ReplaceableMethod): `slot` is its accessor, `method` the C++ method.
+using GroupMethod = void (FsdpParamGroup::*)();
+using MethodSlot = fsdp::ReplaceableMethod& (FsdpParamGroup::*)();
+
+auto replaceable_getter(MethodSlot slot, GroupMethod method) {
+  return [slot, method](const std::shared_ptr<FsdpParamGroup>& self) {
+    return ((*self).*slot)().get([&] { return bound_group_method(self, method); });
+  };
+}
+
+auto replaceable_setter(MethodSlot slot) {
+  return [slot](FsdpParamGroup& self, py::object value) { (self.*slot)().set(std::move(value)); };
+}
+
 }  // namespace
 
 void bind_fsdp_runtime(py::module_& m) {
@@ -206,28 +221,18 @@ void bind_fsdp_runtime(py::module_& m) {
       .def("post_forward", &FsdpParamGroup::post_forward, py::arg("inside_backward"))
       // Properties, not methods: Python may assign them, as upstream's tools
       // do (Note [a group's backward methods replaced from Python]).
-      .def_property(
-          "pre_backward",
-          [](const std::shared_ptr<FsdpParamGroup>& self) {
-            return self->pre_backward_method().get(
-                [&] { return bound_group_method(self, &FsdpParamGroup::pre_backward); });
-          },
-          [](FsdpParamGroup& self, py::object value) {
-            self.pre_backward_method().set(std::move(value));
-          })
+      .def_property("pre_backward",
+                    replaceable_getter(&FsdpParamGroup::pre_backward_method,
+                                       &FsdpParamGroup::pre_backward),
+                    replaceable_setter(&FsdpParamGroup::pre_backward_method))
       .def("set_forward_prefetch", &FsdpParamGroup::set_forward_prefetch, py::arg("targets"))
       .def("set_backward_prefetch", &FsdpParamGroup::set_backward_prefetch, py::arg("targets"),
            py::arg("replaces_implicit"))
       .def("prefetch_forward_targets", &FsdpParamGroup::prefetch_forward_targets)
-      .def_property(
-          "post_backward",
-          [](const std::shared_ptr<FsdpParamGroup>& self) {
-            return self->post_backward_method().get(
-                [&] { return bound_group_method(self, &FsdpParamGroup::post_backward); });
-          },
-          [](FsdpParamGroup& self, py::object value) {
-            self.post_backward_method().set(std::move(value));
-          })
+      .def_property("post_backward",
+                    replaceable_getter(&FsdpParamGroup::post_backward_method,
+                                       &FsdpParamGroup::post_backward),
+                    replaceable_setter(&FsdpParamGroup::post_backward_method))
       .def("finish_backward", &FsdpParamGroup::finish_backward, py::arg("is_last_backward"),
            py::arg("defer_reduction") = false)
       .def("finalize_backward", &FsdpParamGroup::finalize_backward)

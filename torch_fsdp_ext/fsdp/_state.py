@@ -128,6 +128,22 @@ class StateContext:
         self.hooks.set_forward_root(None if state is None else state._hooks)
 
 
+def _upstream_hook_handle(index: int, attribute: str) -> property:
+    """FSDPState's `attribute`: the handle of its forward pre-hook (index 0)
+    or post-hook (1), under upstream's name (Note [upstream's hook handles
+    and hooks, for the tools that re-wire them])."""
+
+    def get_handle(state: "FSDPState"):
+        return state._forward_hook_handle(index, attribute)
+
+    def set_handle(state: "FSDPState", handle) -> None:
+        state._forward_hook_handle(index, attribute)
+        state._hook_handles[index] = handle
+        state._restore_cpp_hook(handle, index)
+
+    return property(get_handle, set_handle)
+
+
 class FSDPState(_State):
     def __init__(self) -> None:
         super().__init__()
@@ -185,25 +201,8 @@ class FSDPState(_State):
     # methods (csrc/fsdp/forward_hooks.hpp), so where a handle assigned here
     # holds one of those methods, its C++ hook takes its place under the same
     # handle. Backward: csrc/fsdp/replaceable_method.hpp.
-    @property
-    def _pre_forward_hook_handle(self):
-        return self._forward_hook_handle(0, "_pre_forward_hook_handle")
-
-    @_pre_forward_hook_handle.setter
-    def _pre_forward_hook_handle(self, handle) -> None:
-        self._forward_hook_handle(0, "_pre_forward_hook_handle")
-        self._hook_handles[0] = handle
-        self._restore_cpp_hook(handle, FSDPState._pre_forward, 0)
-
-    @property
-    def _post_forward_hook_handle(self):
-        return self._forward_hook_handle(1, "_post_forward_hook_handle")
-
-    @_post_forward_hook_handle.setter
-    def _post_forward_hook_handle(self, handle) -> None:
-        self._forward_hook_handle(1, "_post_forward_hook_handle")
-        self._hook_handles[1] = handle
-        self._restore_cpp_hook(handle, FSDPState._post_forward, 1)
+    _pre_forward_hook_handle = _upstream_hook_handle(0, "_pre_forward_hook_handle")
+    _post_forward_hook_handle = _upstream_hook_handle(1, "_post_forward_hook_handle")
 
     def _forward_hook_handle(self, index: int, attribute: str):
         if len(self._modules) != 1:
@@ -217,7 +216,8 @@ class FSDPState(_State):
                 "torch.distributed._tools.mem_tracker.MemTracker works on these modules")
         return self._hook_handles[index]
 
-    def _restore_cpp_hook(self, handle, method: Callable, index: int) -> None:
+    def _restore_cpp_hook(self, handle, index: int) -> None:
+        method = FSDPState._pre_forward if index == 0 else FSDPState._post_forward
         module = self._modules[0]
         hooks = handle.hooks_dict_ref()
         if hooks is not (module._forward_pre_hooks if index == 0 else module._forward_hooks):

@@ -86,12 +86,13 @@ build: venv
 	$(PY) -c "import torch_fsdp_ext, torch.distributed as d; assert 'fsdp_ext' in d.Backend.backend_list; print('torch_fsdp_ext built for torch', __import__('torch').__version__)"
 
 # Test-only packages: Lightning Fabric, whose FSDP2 strategy
-# test/test_framework_fabric.py trains with, and expecttest, which torch's own
-# test helpers import (test/torch_suite/). --no-deps, each dependency named,
+# test/test_framework_fabric.py trains with, expecttest, which torch's own
+# test helpers import (test/torch_suite/), and torchao, whose float8 training
+# test/test_fully_shard_extensions.py runs. --no-deps, each dependency named,
 # so that pip can never pull another torch.
 # (Remade when this file changes: a new test package reaches existing venvs.)
 $(VENV)/.test-deps: $(VENV)/.installed Makefile
-	$(PY) -m pip install -q --no-deps lightning-fabric==2.6.6 lightning-utilities==0.15.3 fsspec==2026.9.0 expecttest==0.3.0
+	$(PY) -m pip install -q --no-deps lightning-fabric==2.6.6 lightning-utilities==0.15.3 fsspec==2026.9.0 expecttest==0.3.0 torchao==0.18.0
 	touch $@
 
 test: build cpp-test $(VENV)/.test-deps

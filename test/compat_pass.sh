@@ -38,13 +38,15 @@ PYTHON=${PYTHON:-python3}
 # errors, the collectives and what torch's tools expect of a backend against
 # gloo, the copy kernels (their device
 # implementations on host tensors: this torch's ATen ops), the CUDA files
-# (collected; they skip without a GPU), and the dtypes per parameter (2.15's;
-# skipped on 2.11).
+# (collected; they skip without a GPU), the dtypes per parameter (2.15's;
+# skipped on 2.11), and all-gather extensions and tensor subclass weights
+# (torchao's case skips: torchao is installed for 2.13.0 only).
 COMPAT_TESTS=(test/test_drop_in.py test/test_fully_shard_api.py test/test_fully_shard_surface.py
               test/test_fully_shard_training.py test/test_fully_shard_runtime.py
               test/test_training.py test/test_errors.py test/test_collectives.py
               test/test_c10d_conformance.py test/test_fsdp_copy_kernels.py test/test_cuda.py
-              test/test_cuda_fsdp.py test/test_fully_shard_dtypes.py)
+              test/test_cuda_fsdp.py test/test_fully_shard_dtypes.py
+              test/test_fully_shard_extensions.py)
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} UCX_TLS=${UCX_TLS:-self,sm,tcp}
 export UCX_LOG_LEVEL=${UCX_LOG_LEVEL:-error}
 

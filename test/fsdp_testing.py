@@ -235,6 +235,53 @@ def comm_counts(mode):
 # Models
 
 
+_aten = torch.ops.aten
+# The ops whose results stay of the subclass (the others answer plain
+# tensors), as quantised-weight subclasses keep them: what sharding, padding,
+# pinning and the optimizer's in-place updates go through.
+WRAPPER_KEEPS_CLASS = {_aten.empty_like.default, _aten.new_zeros.default, _aten.slice.Tensor,
+                       _aten.copy_.default, _aten.view.default, _aten.as_strided.default,
+                       _aten._to_copy.default, _aten.split.Tensor, _aten.clone.default,
+                       _aten.detach.default, _aten.alias.default}
+
+
+class WrapperWeight(torch.Tensor):
+    """A wrapper tensor subclass, as quantised weights are (torchao's float8,
+    NF4): no storage of its own, its data is `_data`; the ops of
+    WRAPPER_KEEPS_CLASS answer tensors of its class, the others plain ones."""
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(),
+            dtype=data.dtype, device=data.device, requires_grad=data.requires_grad)
+
+    def __init__(self, data):
+        self._data = data
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self._data})"
+
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
+        return cls(inner["_data"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        def unwrap(t):
+            return t._data if isinstance(t, WrapperWeight) else t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if func not in WRAPPER_KEEPS_CLASS:
+            return out
+        return tree_map(lambda t: cls(t) if isinstance(t, torch.Tensor) else t, out)
+
+
 class MLP(nn.Module):
     def __init__(self, dim, hidden):
         super().__init__()

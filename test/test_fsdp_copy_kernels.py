@@ -92,6 +92,12 @@ def test_bad_input_is_a_clear_error():
         _C._fsdp_reduce_scatter_copy_in([torch.tensor(1.0)], 2, torch.empty(2))
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         _C._fsdp_reduce_scatter_copy_in([torch.ones(2)], 0, torch.empty(2))
+    # A wrapper subclass's data pointer is null (its data is in the tensor it
+    # wraps): refused instead of read.
+    from fsdp_testing import WrapperWeight
+
+    with pytest.raises(ValueError, match="shard 0 is a tensor subclass that answers its own ops"):
+        _C._fsdp_all_gather_copy_in([WrapperWeight(torch.ones(4))], torch.empty(8), 0, 2)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

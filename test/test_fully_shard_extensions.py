@@ -9,9 +9,15 @@ Variants (the corners): one input gathered in bf16 and cast back by the post
 hook into tensors of its own (filled in place, ``out=``, after the first
 unshard); two inputs of different dtypes, the post hook viewing the first
 output directly (the flat buffer then carries bytes); the legacy one-argument
-pre hook; and an HSDP mesh, where the hook sees the shard mesh only.
+pre hook; both on weights sharded on dim 1; and an HSDP mesh, where the hook
+sees the shard mesh only.
+
+Then the hooks as quantised training defines them, on the class of a tensor
+subclass weight (sharding must keep the class), on tensor-parallel (DTensor)
+parameters, and torchao's float8 training with its float8 all-gather.
 """
 
+import functools
 import types
 
 import pytest
@@ -21,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import get_pool
-from fsdp_testing import MLPStack, fsdp_api, mlp_batch
+from fsdp_testing import MLPStack, WrapperWeight, fsdp_api, mlp_batch
 
 
 def _install(model, variant, calls):
@@ -42,6 +48,23 @@ def _install(model, variant, calls):
                 out.copy_(gathered)
             return None
         unsharded = gathered.to(metadata)
+        return unsharded, (unsharded,)
+
+    def pre_cast_shard1(self, mesh, outer_size, outer_stride, module, mp_policy):
+        calls.append(("pre", mesh.ndim, mesh.size(), tuple(outer_size), type(module).__name__))
+        return (self.to(torch.bfloat16),), (self.dtype, tuple(outer_size))
+
+    def post_cast_shard1(self, outputs, metadata, param_dtype, *, out=None):
+        # Sharded on dim 1, the gathered output holds the unsharded layout but
+        # comes viewed with the shard's trailing sizes, as upstream hands it.
+        dtype, outer_size = metadata
+        gathered = outputs[0].view(outer_size) if len(outer_size) == 2 else outputs[0]
+        calls.append(("post", out is not None, str(gathered.dtype), tuple(outputs[0].shape)))
+        if out is not None:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+                out.copy_(gathered)
+            return None
+        unsharded = gathered.to(dtype)
         return unsharded, (unsharded,)
 
     def pre_two(self, mesh, outer_size, outer_stride, module, mp_policy):
@@ -68,7 +91,9 @@ def _install(model, variant, calls):
         return outputs[0], (outputs[0],)
 
     pre, post = {"cast": (pre_cast, post_cast), "two": (pre_two, post_two),
-                 "legacy": (pre_legacy, post_legacy), "hsdp": (pre_cast, post_cast)}[variant]
+                 "legacy": (pre_legacy, post_legacy), "hsdp": (pre_cast, post_cast),
+                 "shard1": (pre_cast_shard1, post_cast_shard1),
+                 "two_shard1": (pre_two, post_two)}[variant]
     for param in model.parameters():
         local = param._local_tensor
         local.fsdp_pre_all_gather = types.MethodType(pre, local)
@@ -88,10 +113,17 @@ def train_with_extensions(ctx, impl, variant):
         # Even shards: a pre hook must return padded inputs where a shard is
         # padded (checked, as upstream), which these simple hooks do not.
         model = MLPStack(n=2, dim=10, hidden=12)
+    placement = None
+    if variant in ("shard1", "two_shard1"):
+        from torch.distributed.tensor import Shard
+
+        # The weights on their dim 1 (the copy-out fills each output along it).
+        def placement(param):
+            return Shard(1) if param.ndim == 2 else None
     for module in model:
         if not isinstance(module, nn.Linear):
-            api.fully_shard(module, mesh=mesh)
-    api.fully_shard(model, mesh=mesh)
+            api.fully_shard(module, mesh=mesh, shard_placement_fn=placement)
+    api.fully_shard(model, mesh=mesh, shard_placement_fn=placement)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     with torch.no_grad():
@@ -128,7 +160,7 @@ def compare_extensions(ctx, variant):
     return problems, len(upstream[2])
 
 
-@pytest.mark.parametrize("variant", ["cast", "two", "legacy"])
+@pytest.mark.parametrize("variant", ["cast", "two", "legacy", "shard1", "two_shard1"])
 def test_extensions_on_local_tensors_match_upstream(variant, pool2):
     for rank, (problems, upstream_calls) in enumerate(pool2.run(compare_extensions, variant)):
         assert upstream_calls > 0, "upstream never called the hooks: the test proves nothing"
@@ -205,3 +237,267 @@ def test_release_hook_frees_the_all_gather_outputs_after_the_post_hook(impl, poo
     # A hook that does not answer with a bool is refused, as upstream's.
     for message in pool2.run(unshard_with_release_hook, impl, "yes"):
         assert "must return a bool, got <class 'str'>" in message, message
+
+
+# --------------------------------------------------------------------------
+# Tensor subclass parameters (Note [tensor subclass parameters]): quantised
+# training keeps its weights as wrapper subclasses that define the hooks on
+# the class (torchao's float8 weights, NF4). Sharding must keep the class, or
+# the hooks are silently never called.
+
+class Bf16GatherWeight(WrapperWeight):
+    """With an all-gather extension that gathers it in bf16 and casts back,
+    the shape of torchao's float8 weights. `calls` records the hooks' calls."""
+
+    calls: list = []
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        Bf16GatherWeight.calls.append(("pre", mesh.size(), tuple(outer_size)))
+        return (self._data.to(torch.bfloat16),), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        (gathered,) = outputs
+        Bf16GatherWeight.calls.append(("post", out is not None, str(gathered.dtype)))
+        if out is not None:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+                out.copy_(gathered)
+            return None
+        unsharded = gathered.to(param_dtype)
+        return unsharded, (unsharded,)
+
+
+_WEIGHT_CLASSES = {"extension": Bf16GatherWeight, "no_extension": WrapperWeight,
+                   "meta": Bf16GatherWeight}
+
+
+def train_subclass_weights(ctx, impl, variant):
+    """The Linear weights as subclass tensors ("extension": with the hooks;
+    "no_extension": without; "meta": with the hooks, built on the meta device
+    and materialised after fully_shard, so the shard is padded again), then
+    three SGD steps. Returns the losses, full parameters, hook calls and the
+    local tensors' classes."""
+    api = fsdp_api(impl)
+    cls = _WEIGHT_CLASSES[variant]
+    torch.manual_seed(0)
+    # Without hooks the hidden size is odd, so the 11-row weight's shards are
+    # padded (copied in through the subclass); the hooks return the local
+    # shard unpadded, which upstream allows only where shards are even.
+    with torch.device("meta" if variant == "meta" else "cpu"):
+        model = MLPStack(n=2, dim=10, hidden=11 if variant == "no_extension" else 12)
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.weight = nn.Parameter(cls(module.weight.detach()))
+    for module in model:
+        if not isinstance(module, nn.Linear):
+            api.fully_shard(module)
+    api.fully_shard(model)
+    if variant == "meta":
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, nn.Linear):
+                    module.reset_parameters()
+    Bf16GatherWeight.calls = []
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        x = mlp_batch(ctx.rank, step)
+        loss = F.mse_loss(model(x), torch.sin(x))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    classes = sorted({type(p._local_tensor).__name__ for p in model.parameters()})
+    params = [p.full_tensor() for p in model.parameters()]
+    params = [p._data if isinstance(p, WrapperWeight) else p for p in params]
+    return losses, params, list(Bf16GatherWeight.calls), classes
+
+
+def compare_subclass_weights(ctx, variant):
+    upstream = train_subclass_weights(ctx, "upstream", variant)
+    ours = train_subclass_weights(ctx, "ours", variant)
+    problems = [f"{what}: ours {mine} upstream {theirs}"
+                for what, mine, theirs in (("losses", ours[0], upstream[0]),
+                                           ("classes", ours[3], upstream[3]))
+                if mine != theirs]
+    problems += [f"parameter {i} differs" for i, (mine, theirs)
+                 in enumerate(zip(ours[1], upstream[1])) if not torch.equal(mine, theirs)]
+    if ours[2] != upstream[2]:
+        problems.append(f"hook calls: ours {ours[2][:4]} ({len(ours[2])}), "
+                        f"upstream {upstream[2][:4]} ({len(upstream[2])})")
+    return problems, upstream[2], upstream[3]
+
+
+@pytest.mark.parametrize("variant", ["extension", "no_extension", "meta"])
+def test_tensor_subclass_weights_keep_their_class_and_match_upstream(variant, pool2):
+    for rank, (problems, upstream_calls, classes) in enumerate(
+            pool2.run(compare_subclass_weights, variant)):
+        # Upstream kept the class and (with the hooks) called them: the
+        # comparison has something to compare.
+        assert classes == sorted(["Tensor", _WEIGHT_CLASSES[variant].__name__]), classes
+        assert (len(upstream_calls) > 0) == (variant != "no_extension"), upstream_calls
+        assert not problems, (rank, problems)
+
+
+# --------------------------------------------------------------------------
+# Extensions on tensor-parallel (DTensor) parameters: the hook gets the
+# data-parallel mesh and the TP-local sizes, and the post hook's tensor
+# becomes the TP DTensor (`out` is that DTensor after the first unshard), as
+# with upstream's FSDP + TP (torchao's float8 with tensor parallelism).
+
+def train_tp_with_extensions(ctx, impl):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    from test_fully_shard_surface import TPModel, _x
+
+    calls = []
+
+    def pre(self, mesh, outer_size, outer_stride, module, mp_policy):
+        calls.append(("pre", mesh.mesh_dim_names, mesh.size(), tuple(outer_size)))
+        return (self.to(torch.bfloat16),), self.dtype
+
+    def post(self, outputs, metadata, param_dtype, *, out=None):
+        (gathered,) = outputs
+        calls.append(("post", type(out).__name__, str(gathered.dtype)))
+        if out is not None:
+            local = out._local_tensor if isinstance(out, DTensor) else out
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(local):
+                local.copy_(gathered)
+            return None
+        unsharded = gathered.to(metadata)
+        return unsharded, (unsharded,)
+
+    api = fsdp_api(impl)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = TPModel()
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        api.fully_shard(block, mesh=mesh["dp"])
+    api.fully_shard(model, mesh=mesh["dp"])
+    for param in model.parameters():
+        local = param._local_tensor
+        local.fsdp_pre_all_gather = types.MethodType(pre, local)
+        local.fsdp_post_all_gather = types.MethodType(post, local)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = []
+    for step in range(3):
+        loss = model(_x(ctx.rank // 2, step)).pow(2).mean()  # one batch per TP pair
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    unsharded_types = {type(p).__name__ for p in model.blocks[0].parameters()}
+    return losses, [p.detach().full_tensor() for p in model.parameters()], calls, unsharded_types
+
+
+def compare_tp_with_extensions(ctx):
+    upstream = train_tp_with_extensions(ctx, "upstream")
+    ours = train_tp_with_extensions(ctx, "ours")
+    problems = []
+    if ours[0] != upstream[0]:
+        problems.append(f"losses: ours {ours[0]} upstream {upstream[0]}")
+    problems += [f"parameter {i} differs" for i, (mine, theirs)
+                 in enumerate(zip(ours[1], upstream[1])) if not torch.equal(mine, theirs)]
+    if ours[2] != upstream[2]:
+        problems.append(f"hook calls: ours {ours[2][:4]} ({len(ours[2])}), "
+                        f"upstream {upstream[2][:4]} ({len(upstream[2])})")
+    return problems, upstream[2]
+
+
+def test_extensions_on_tensor_parallel_parameters_match_upstream(pool4):
+    for rank, (problems, calls) in enumerate(pool4.run(compare_tp_with_extensions)):
+        assert not problems, (rank, problems)
+        # The hooks saw the 2-rank data-parallel mesh and TP-local sizes (the
+        # column-parallel w1, 32x16, has 16 rows per TP rank), and `out` was
+        # the TP DTensor after the first unshard.
+        assert ("pre", ("dp",), 2, (16, 16)) in calls, calls[:6]
+        assert ("post", "DTensor", "torch.bfloat16") in calls, calls[:12]
+
+
+# --------------------------------------------------------------------------
+# torchao's float8 training with FSDP2's float8 all-gather
+# (Float8LinearConfig(enable_fsdp_float8_all_gather=True), as torchtitan runs
+# it): the weights are torchao's wrapper subclass, whose extension gathers
+# float8 bytes. `make test` installs torchao (without dependencies).
+
+class Float8Net(nn.Module):
+    def __init__(self, dim=64):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 2 * dim, bias=False), nn.GELU(),
+                          nn.Linear(2 * dim, dim, bias=False)) for _ in range(2))
+        self.head = nn.Linear(dim, 16)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def train_float8(ctx, impl):
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    api = fsdp_api(impl)
+    gathered_dtypes = []
+    pre = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+
+    @functools.wraps(pre)  # FSDP reads the hook's signature
+    def recording_pre(self, *args, **kwargs):
+        inputs, metadata = pre(self, *args, **kwargs)
+        gathered_dtypes.extend(str(t.dtype) for t in inputs)
+        return inputs, metadata
+
+    WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = recording_pre
+    try:
+        torch.manual_seed(0)
+        model = Float8Net()
+        convert_to_float8_training(
+            model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+            module_filter_fn=lambda module, fqn: fqn != "head")
+        for block in model.blocks:
+            api.fully_shard(block)
+        api.fully_shard(model)
+        classes = sorted({type(p._local_tensor).__name__ for p in model.parameters()})
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(10 * step + ctx.rank))
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+    finally:
+        WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = pre
+    params = [p.detach().full_tensor() for p in model.parameters()]
+    params = [getattr(p, "_tensor", p) for p in params]  # torchao's wrapper: its data
+    return losses, params, gathered_dtypes, classes
+
+
+def compare_float8(ctx):
+    upstream = train_float8(ctx, "upstream")
+    ours = train_float8(ctx, "ours")
+    problems = [f"{what}: ours {mine} upstream {theirs}"
+                for what, mine, theirs in (("losses", ours[0], upstream[0]),
+                                           ("gathered dtypes", ours[2], upstream[2]),
+                                           ("classes", ours[3], upstream[3]))
+                if mine != theirs]
+    problems += [f"parameter {i} differs" for i, (mine, theirs)
+                 in enumerate(zip(ours[1], upstream[1])) if not torch.equal(mine, theirs)]
+    return problems, upstream[2]
+
+
+def test_torchao_float8_all_gather_matches_upstream(pool2):
+    pytest.importorskip("torchao", reason="torchao is not installed (make test installs it)")
+    for rank, (problems, gathered) in enumerate(pool2.run(compare_float8)):
+        # 4 float8 weights, gathered as float8 in each forward and backward unshard.
+        assert gathered and set(gathered) == {"torch.float8_e4m3fn"}, gathered
+        assert not problems, (rank, problems)

@@ -8,6 +8,7 @@
 
 #include "fsdp/copy_kernels_device.hpp"
 #include "fsdp/shard_extent.hpp"
+#include "fsdp/tensor_subclass.hpp"
 
 namespace fsdp_ext::fsdp {
 namespace {
@@ -21,6 +22,9 @@ void check_dense(const char* kernel, const at::Tensor& tensor, const std::string
                     tensor.device().str());
   TORCH_CHECK_VALUE(tensor.is_contiguous(), "fsdp_ext ", kernel, ": ", what,
                     " must be contiguous");
+  TORCH_CHECK_VALUE(!is_python_subclass(tensor), "fsdp_ext ", kernel, ": ", what, " is a ",
+                    "tensor subclass that answers its own ops; it is read through them, not in "
+                    "place (pass a plain copy)");
 }
 
 // A tensor whose dtype must be the flat buffer's, unless the buffer carries

@@ -12,6 +12,7 @@
 #include "fsdp/host_block_cache.hpp"
 #include "fsdp/memory_tracker_mode.hpp"
 #include "fsdp/shard_extent.hpp"
+#include "fsdp/tensor_subclass.hpp"
 #include "torch_compat.hpp"
 
 namespace fsdp_ext::fsdp {
@@ -127,6 +128,7 @@ FsdpParam::FsdpParam(std::string fqn, std::vector<ModuleSlot> slots, py::object 
                     "fsdp_ext FsdpParam ", fqn_, ": shard dim ", shard_dim_, " is invalid for a ",
                     orig_size_.size(), "-D parameter");
   spec_ = sharded_param_.attr("_spec");
+  sharded_local_ = unpack(sharded_param_.attr("_local_tensor"));
   capture_grad_dtype_policy(sharded_param_);
   register_on_modules(sharded_param_);
 }
@@ -188,8 +190,12 @@ void FsdpParam::to_unsharded() {
   state_ = ShardedState::kUnsharded;
 }
 
-const at::Tensor& FsdpParam::all_gather_input() const {
-  return state_ == ShardedState::kShardedPostForward ? post_forward_data_ : padded_sharded_data_;
+at::Tensor FsdpParam::all_gather_input() const {
+  const at::Tensor& data =
+      state_ == ShardedState::kShardedPostForward ? post_forward_data_ : padded_sharded_data_;
+  if (!is_python_subclass(data)) return data;
+  // Note [tensor subclass parameters]: a plain copy, through its dispatch.
+  return at::empty(data.sizes(), data.options()).copy_(data);
 }
 
 void FsdpParam::init_dtype_attrs(std::optional<at::ScalarType> param_dtype,
@@ -314,6 +320,12 @@ void FsdpParam::init_unsharded_param() {
       return;
     }
     py::object tensor = extension_.attr("unsharded")(dtype, py::none());
+    if (is_dtensor()) {
+      // The post hook built the local tensor; its own dtype goes into the
+      // spec (a quantised tensor keeps the parameter's), as upstream's.
+      const at::Tensor local = unpack(tensor);
+      tensor = make_dtensor(local, spec_with_dtype(unsharded_spec_, local.scalar_type()));
+    }
     unsharded_param_ = parameter_class()(tensor, py::arg("requires_grad") = requires_grad());
     unsharded_tensor_ = unpack(unsharded_param_);
     apply_unsharded_grad_dtype();
@@ -423,21 +435,29 @@ void FsdpParam::reset_sharded_param() {
   grad_spec_ = py::object();
   at::Tensor local = unpack(sharded_param_.attr("_local_tensor"));
   if (local.is_meta()) return;
-  const bool backed = !padded_sharded_data_.is_meta() &&
-                      local.scalar_type() == padded_sharded_data_.scalar_type() &&
-                      local.device() == padded_sharded_data_.device() &&
-                      (local.numel() == 0 || local.data_ptr() == padded_sharded_data_.data_ptr());
+  // Still a view of our padded data? Data pointers tell for plain tensors
+  // (a view of the same memory counts); a subclass must be the very view we
+  // made (Note [tensor subclass parameters]).
+  const bool backed =
+      !padded_sharded_data_.is_meta() &&
+      local.scalar_type() == padded_sharded_data_.scalar_type() &&
+      local.device() == padded_sharded_data_.device() &&
+      (is_python_subclass(local)
+           ? local.is_same(sharded_local_)
+           : (local.numel() == 0 || local.data_ptr() == padded_sharded_data_.data_ptr()));
   if (backed) return;
   TORCH_CHECK_VALUE(local.dim() >= 1 && local.is_contiguous(), "fsdp_ext ", fqn_,
                     ": the sharded local tensor must be contiguous with at least one dim");
   std::vector<int64_t> padded_size = local.sizes().vec();
   const int64_t dim = shard_dim_;
   padded_size[dim] = shard_extent(orig_size_[dim], shard_world_size_, 0).padded;
-  at::Tensor padded = at::zeros(padded_size, local.options());
+  // new_zeros and copy_ keep a tensor subclass's class, as upstream's do.
+  at::Tensor padded = local.new_zeros(padded_size);
   padded.narrow(dim, 0, local.size(dim)).copy_(local);
   if (pin_memory_) padded = padded.pin_memory();  // CPUOffloadPolicy(pin_memory=True)
   padded_sharded_data_ = padded.view({-1});
-  sharded_param_.attr("_local_tensor") = padded.narrow(dim, 0, local.size(dim));
+  sharded_local_ = padded.narrow(dim, 0, local.size(dim));
+  sharded_param_.attr("_local_tensor") = sharded_local_;
   // A later all-gather allocates an output of the new unsharded dtype.
   clamp_dtypes();
 }

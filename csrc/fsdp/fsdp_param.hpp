@@ -48,6 +48,18 @@
 // unsharded parameter is what the post hook builds from their gathered
 // outputs; reshard frees those outputs through it.
 //
+// Note [tensor subclass parameters]
+// A parameter (or a DTensor parameter's local tensor) may be a tensor
+// subclass, as quantised training's weights are (torchao's float8 weights,
+// NF4): sharding keeps its class, as upstream's does, by making the padded
+// shard with the local tensor's own new_zeros and copy_, which the subclass's
+// dispatch answers. A wrapper subclass has no storage of its own (its data
+// pointer is null; its data lives in the tensors it wraps), so nothing here
+// reads it in place: with an all-gather extension the pre hook's inputs are
+// gathered; without one all_gather_input() hands out a plain copy of it,
+// made through the subclass's dispatch, as upstream's copy-in reads it. The
+// copy kernels refuse such tensors rather than read a null pointer.
+//
 // Modules are Python objects, so registration writes the module's
 // _parameters dict (or setattr where the class overrides __setattr__), and
 // gradient DTensors are built through the Python DTensor constructor; the
@@ -126,7 +138,7 @@ class FSDP_EXT_HIDDEN FsdpParam {
   void set_reduces_grad_outside_dp(bool reduces) { reduces_grad_outside_dp_ = reduces; }
 
   // The flat tensor this rank contributes to the next all-gather.
-  const at::Tensor& all_gather_input() const;
+  at::Tensor all_gather_input() const;
   // The all-gather output with its storage allocated (created on first use).
   const at::Tensor& allocated_all_gather_output();
   // Its elements: the padded parameter, every rank's padded shard.
@@ -211,6 +223,12 @@ class FSDP_EXT_HIDDEN FsdpParam {
   // own placements (a tuple of ints; empty otherwise).
   void set_grad_dp_dims(py::object dims) { grad_dp_dims_ = std::move(dims); }
   const py::object& grad_dp_dims() const { return grad_dp_dims_; }
+  // Upstream's FSDPParam.shard_mesh: the data-parallel mesh FSDP shards over
+  // (its shard dim alone under HSDP), what an all-gather extension's pre hook
+  // is given. Not the sharded DTensor's mesh, which for a DTensor (TP)
+  // parameter is the full (dp, tp) mesh.
+  void set_shard_mesh(py::object mesh) { shard_mesh_ = std::move(mesh); }
+  const py::object& shard_mesh() const { return shard_mesh_; }
 
  private:
   bool is_dtensor() const { return unsharded_spec_ && !unsharded_spec_.is_none(); }
@@ -260,6 +278,11 @@ class FSDP_EXT_HIDDEN FsdpParam {
   py::object grad_spec_;       // spec_ for gradients of another dtype (grad_spec),
   at::ScalarType grad_spec_dtype_ = at::kFloat;  // that dtype
   at::Tensor padded_sharded_data_;  // 1-D
+  // The sharded DTensor's local tensor, a view of padded_sharded_data_. Kept
+  // for local tensors that are tensor subclasses without storage of their
+  // own (Note [tensor subclass parameters]), where data pointers cannot tell
+  // whether a local tensor still views our padded data.
+  at::Tensor sharded_local_;
 
   at::Tensor all_gather_output_;  // 1-D, world * padded numel
   bool host_shared_ = false;      // all_gather_output_ views host-shared memory
@@ -267,6 +290,7 @@ class FSDP_EXT_HIDDEN FsdpParam {
   py::object unsharded_spec_ = py::none();
   bool pin_memory_ = false;
   py::object grad_dp_dims_ = py::tuple();
+  py::object shard_mesh_ = py::none();
   py::object unsharded_param_;
   at::Tensor unsharded_tensor_;  // the parameter (a DTensor for TP parameters)
   at::Tensor accumulated_grad_;  // reduce_dtype, gradient sync off

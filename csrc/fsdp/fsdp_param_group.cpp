@@ -472,11 +472,25 @@ void FsdpParamGroup::wait_for_unshard() {
     outputs.reserve(params_.size());
     for (size_t i = 0; i < params_.size(); ++i) {
       const auto& param = params_[i];
-      if (param->has_extension()) {  // one output per input, sharded on dim 0
+      if (param->has_extension()) {
+        // One output per input. Sharded on dim d > 0 (evenly: checked at
+        // fully_shard), each input has the shard's shape, so its output is
+        // laid out as the unsharded parameter's shape and filled along d, as
+        // upstream's chunk-cat does.
+        const int64_t dim = param->shard_dim();
         for (at::Tensor& output :
              param->extension_outputs(pending.extension_inputs[i], pending.world_size)) {
+          if (dim != 0) {
+            TORCH_CHECK_VALUE(output.numel() == c10::multiply_integers(param->orig_size()),
+                              "fsdp_ext FsdpParamGroup(", module_fqn_, "): parameter ",
+                              param->fqn(), " is sharded on dim ", dim, ", so its all-gather "
+                              "extension's inputs must have the shard's shape; one has ",
+                              output.numel() / pending.world_size, " elements, the shard ",
+                              param->padded_shard_numel());
+            output = output.view(param->orig_size());
+          }
           outputs.push_back(std::move(output));
-          shard_dims.push_back(0);
+          shard_dims.push_back(dim);
         }
         continue;
       }

@@ -131,6 +131,9 @@ void bind_fsdp_runtime(py::module_& m) {
                     "A DTensor parameter's original (TP) DTensorSpec; None for plain ones.")
       .def_property("pin_memory", &FsdpParam::pin_memory, &FsdpParam::set_pin_memory,
                     "Keep the padded sharded data in pinned memory (CPUOffloadPolicy).")
+      .def_property("shard_mesh", &FsdpParam::shard_mesh, &FsdpParam::set_shard_mesh,
+                    "upstream's FSDPParam.shard_mesh: the data-parallel mesh it is sharded over "
+                    "(the shard dim under HSDP), what all-gather extensions are given.")
       .def_property("grad_dp_dims", &FsdpParam::grad_dp_dims, &FsdpParam::set_grad_dp_dims,
                     "dp_mesh_dims: mesh dims where gradients keep their placements.")
       .def_property("param_dtype_override", &FsdpParam::param_dtype_override,

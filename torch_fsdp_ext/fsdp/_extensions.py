@@ -185,32 +185,28 @@ def attach(groups, mp_policy) -> None:
                     f"torch_fsdp_ext.fully_shard: {param.fqn} has an all-gather extension; "
                     "reshard_after_forward as an int (a post-forward mesh) does not support "
                     "all-gather extensions, as upstream's")
-            if param.unsharded_spec is not None:
-                raise NotImplementedError(
-                    f"torch_fsdp_ext.fully_shard: {param.fqn} is a DTensor (tensor-parallel) "
-                    "parameter with an all-gather extension, which is not supported yet")
-            if param.shard_dim != 0:
-                raise NotImplementedError(
-                    f"torch_fsdp_ext.fully_shard: {param.fqn} has an all-gather extension and is "
-                    f"sharded on dim {param.shard_dim}; extensions need Shard(0)")
-            mesh = param.sharded_param.device_mesh
-            # HSDP: the hook sees the shard mesh only, as upstream's.
-            shard_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
-            padded = (param.padded_sharded_data.numel() // max(1, _trailing_numel(param)),
-                      *param.orig_size[1:])
+            padded = _padded_shard_size(param)
             # The hook sees the parameter's own policy (param_dtype_override_fn's
             # answer in param_dtype), as upstream's.
             own_policy = mp_policy
             if param.param_dtype_override is not None:
                 own_policy = dataclasses.replace(mp_policy,
                                                  param_dtype=param.param_dtype_override)
-            param.extension = AllGatherExtension(param.fqn, param.sharded_param, shard_mesh,
+            # The hook sees the data-parallel shard mesh (HSDP: its shard
+            # dim; a DTensor parameter: not its tensor-parallel dims).
+            param.extension = AllGatherExtension(param.fqn, param.sharded_param,
+                                                 param.shard_mesh,
                                                  param.owner_module, own_policy, param.orig_size,
                                                  padded)
 
 
-def _trailing_numel(param) -> int:
-    numel = 1
-    for size in param.orig_size[1:]:
-        numel *= size
-    return numel
+def _padded_shard_size(param) -> tuple:
+    """This rank's padded shard's shape: the original shape with the shard
+    dim cut to the padded rows per rank (on dim d > 0 shards are even)."""
+    size, dim = list(param.orig_size), param.shard_dim
+    others = 1
+    for i, extent in enumerate(size):
+        if i != dim:
+            others *= extent
+    size[dim] = param.padded_sharded_data.numel() // max(1, others)
+    return tuple(size)

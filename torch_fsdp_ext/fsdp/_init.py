@@ -502,7 +502,9 @@ def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str,
     padded_size = list(data.shape)
     padded_size[dim] = chunk
     with torch.no_grad():
-        padded = torch.zeros(padded_size, dtype=data.dtype, device=data.device)
+        # new_zeros and copy_ keep a tensor subclass's class (quantised
+        # weights), as upstream's (Note [tensor subclass parameters]).
+        padded = data.new_zeros(padded_size)
         if length and data.device.type != "meta":
             padded.narrow(dim, 0, length).copy_(data.narrow(dim, start, length))
         if pin_memory and data.device.type != "meta":
@@ -529,6 +531,8 @@ def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str,
         fqn, slots, sharded, padded.view(-1), list(data.shape), list(local.shape), world, dim
     )
     fsdp_param.pin_memory = pin_memory
+    fsdp_param.shard_mesh = (info.mesh if info.mesh.ndim == 1
+                             else info.mesh[info.mesh.mesh_dim_names[-1]])
     if tp_spec is not None:
         fsdp_param.unsharded_spec = tp_spec
         if info.spmd_mesh is not None:

@@ -92,12 +92,38 @@ def test_bad_input_is_a_clear_error():
         _C._fsdp_reduce_scatter_copy_in([torch.tensor(1.0)], 2, torch.empty(2))
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         _C._fsdp_reduce_scatter_copy_in([torch.ones(2)], 0, torch.empty(2))
-    # A wrapper subclass's data pointer is null (its data is in the tensor it
-    # wraps): refused instead of read.
+
+
+def test_subclass_tensors_are_copied_through_their_own_ops():
+    """Tensors a Python subclass answers (fake tensors, quantised wrappers)
+    have no data where their data pointer says (a wrapper's is null): the
+    kernels copy them with ATen ops, which the subclass answers, and the
+    bytes are those of the plain tensors. Subclass outputs of the copy-out
+    keep their version (they are the unsharded parameters' memory)."""
     from fsdp_testing import WrapperWeight
 
-    with pytest.raises(ValueError, match="shard 0 is a tensor subclass that answers its own ops"):
-        _C._fsdp_all_gather_copy_in([WrapperWeight(torch.ones(4))], torch.empty(8), 0, 2)
+    shards = [values((5, 3), torch.float32, salt=1), values((7,), torch.float32, salt=2)]
+    plain = torch.zeros(44)
+    _C._fsdp_all_gather_copy_in(shards, plain, 1, 2)
+    wrapped = torch.zeros(44)
+    _C._fsdp_all_gather_copy_in([WrapperWeight(s) for s in shards], wrapped, 1, 2)
+    assert torch.equal(wrapped, plain) and plain.abs().sum() > 0
+
+    reference = [torch.empty(30), torch.empty(14)]
+    _C._fsdp_all_gather_copy_out(plain, [15, 7], 2, reference)
+    outputs = [WrapperWeight(torch.zeros(30)), WrapperWeight(torch.zeros(14))]
+    versions = [out._version for out in outputs]
+    _C._fsdp_all_gather_copy_out(plain, [15, 7], 2, outputs)
+    for out, expected in zip(outputs, reference):
+        assert torch.equal(out._data, expected)
+    assert [out._version for out in outputs] == versions
+
+    grads = [values((5, 3), torch.float32, salt=3), values((3,), torch.float32, salt=4)]
+    plain = torch.empty(2 * (9 + 2))
+    _C._fsdp_reduce_scatter_copy_in(grads, 2, plain)
+    wrapped = torch.empty(22)
+    _C._fsdp_reduce_scatter_copy_in([WrapperWeight(g) for g in grads], 2, wrapped)
+    assert torch.equal(wrapped, plain)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

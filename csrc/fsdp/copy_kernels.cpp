@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "fsdp/copy_kernels_device.hpp"
 #include "fsdp/shard_extent.hpp"
@@ -22,9 +24,6 @@ void check_dense(const char* kernel, const at::Tensor& tensor, const std::string
                     tensor.device().str());
   TORCH_CHECK_VALUE(tensor.is_contiguous(), "fsdp_ext ", kernel, ": ", what,
                     " must be contiguous");
-  TORCH_CHECK_VALUE(!is_python_subclass(tensor), "fsdp_ext ", kernel, ": ", what, " is a ",
-                    "tensor subclass that answers its own ops; it is read through them, not in "
-                    "place (pass a plain copy)");
 }
 
 // A tensor whose dtype must be the flat buffer's, unless the buffer carries
@@ -41,6 +40,39 @@ void check_world(const char* kernel, int64_t world_size) {
 }
 
 char* bytes_of(const at::Tensor& tensor) { return static_cast<char*>(tensor.data_ptr()); }
+
+// Where a kernel runs with ATen ops (device_kernels) rather than on host
+// memory: device tensors, and tensors a Python subclass answers (fake
+// tensors, quantised wrappers), whose data pointer may be null or not theirs.
+bool needs_aten_ops(const at::Tensor& tensor, const std::vector<at::Tensor>& others) {
+  if (!tensor.is_cpu() || is_python_subclass(tensor)) return true;
+  return std::any_of(others.begin(), others.end(),
+                     [](const at::Tensor& t) { return is_python_subclass(t); });
+}
+
+// Restores the version counters of the subclass tensors among `tensors` on
+// scope exit. The copy-out writes the unsharded parameters' memory, which
+// must not look like an in-place change to autograd's saved tensors: plain
+// tensors are written through aliases (see copy_cast_raw), which a subclass
+// tensor cannot have (upstream's _unsafe_preserve_version_counter).
+class SubclassVersionsKept {
+ public:
+  explicit SubclassVersionsKept(const std::vector<at::Tensor>& tensors) {
+    for (const at::Tensor& tensor : tensors) {
+      if (!is_python_subclass(tensor)) continue;
+      const c10::VariableVersion& counter = tensor.unsafeGetTensorImpl()->version_counter();
+      if (counter.enabled()) kept_.emplace_back(counter, counter.current_version());
+    }
+  }
+  ~SubclassVersionsKept() {
+    for (auto& [counter, version] : kept_) counter.set_version(version);
+  }
+  SubclassVersionsKept(const SubclassVersionsKept&) = delete;
+  SubclassVersionsKept& operator=(const SubclassVersionsKept&) = delete;
+
+ private:
+  std::vector<std::pair<c10::VariableVersion, uint32_t>> kept_;
+};
 
 int64_t byte_size(int64_t numel, at::ScalarType dtype) {
   return numel * static_cast<int64_t>(c10::elementSize(dtype));
@@ -136,7 +168,7 @@ at::Tensor all_gather_copy_in(const std::vector<at::Tensor>& shards,
                     " bytes but world_size * (sum of shard sizes) is ", chunk_bytes * world_size);
   const int64_t chunk_numel = chunk_bytes / static_cast<int64_t>(output.element_size());
   at::Tensor input = output.view({-1}).narrow(0, chunk_numel * rank, chunk_numel);
-  if (!output.is_cpu()) {
+  if (needs_aten_ops(output, shards)) {
     device_kernels::all_gather_copy_in(shards, gather_dtypes, input);
     return input;
   }
@@ -176,7 +208,8 @@ void all_gather_copy_out(const at::Tensor& output, const std::vector<int64_t>& s
   TORCH_CHECK_VALUE(static_cast<int64_t>(output.nbytes()) == chunk_bytes * world_size,
                     "fsdp_ext ", kKernel, ": the all-gather output has ", output.nbytes(),
                     " bytes, expected ", chunk_bytes * world_size);
-  if (!output.is_cpu()) {
+  if (needs_aten_ops(output, outputs)) {
+    SubclassVersionsKept versions(outputs);
     device_kernels::all_gather_copy_out(output, split_sizes, world_size, outputs, shard_dims);
     return;
   }
@@ -224,7 +257,7 @@ void reduce_scatter_copy_in(const std::vector<at::Tensor>& gradients, int64_t wo
   TORCH_CHECK_VALUE(output.numel() == row_numel * world_size, "fsdp_ext ", kKernel,
                     ": the output has ", output.numel(), " elements, expected ",
                     row_numel * world_size);
-  if (!output.is_cpu()) {
+  if (needs_aten_ops(output, gradients)) {
     device_kernels::reduce_scatter_copy_in(gradients, world_size, output, shard_dims);
     return;
   }

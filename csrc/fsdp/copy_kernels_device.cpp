@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "fsdp/tensor_subclass.hpp"
+
 namespace fsdp_ext::fsdp::device_kernels {
 namespace {
 
@@ -11,8 +13,10 @@ int64_t dim_of(const std::vector<int64_t>& shard_dims, size_t i) {
 
 // A tensor over `tensor`'s memory with a version counter of its own. The
 // device is given, so no driver query asks where the pointer lives (and an
-// empty tensor's null pointer is fine).
+// empty tensor's null pointer is fine). A tensor a Python subclass answers
+// has no such memory: written itself (its caller keeps its version).
 at::Tensor alias_of(const at::Tensor& tensor) {
+  if (is_python_subclass(tensor)) return tensor;
   return at::for_blob(tensor.data_ptr(), tensor.sizes())
       .strides(tensor.strides())
       .options(tensor.options())

@@ -1,9 +1,11 @@
-// The copy kernels of copy_kernels.hpp on an accelerator: the same layouts,
-// written with torch's fused device ops, one launch per collective where
-// upstream has one (cat for the all-gather copy-in, split_with_sizes_copy for
-// the copy-out, _chunk_cat for the reduce-scatter copy-in), so the bytes are
-// upstream's. Each runs on the caller's current stream. Arguments are checked
-// by the public kernels before they get here.
+// The copy kernels of copy_kernels.hpp on an accelerator, and on tensors a
+// Python subclass answers (fake tensors, quantised wrappers: host memory that
+// cannot be read in place): the same layouts, written with torch's fused
+// ops, one launch per collective where upstream has one (cat for the
+// all-gather copy-in, split_with_sizes_copy for the copy-out, _chunk_cat for
+// the reduce-scatter copy-in), so the bytes are upstream's. Each runs on the
+// caller's current stream. Arguments are checked by the public kernels before
+// they get here.
 //
 // Destinations that belong to the unsharded parameters are written through
 // aliases of their memory (tensors of their own), never through the

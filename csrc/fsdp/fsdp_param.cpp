@@ -10,7 +10,7 @@
 #include <utility>
 
 #include "fsdp/host_block_cache.hpp"
-#include "fsdp/memory_tracker_mode.hpp"
+#include "fsdp/dispatch_modes.hpp"
 #include "fsdp/shard_extent.hpp"
 #include "fsdp/tensor_subclass.hpp"
 #include "torch_compat.hpp"
@@ -69,11 +69,11 @@ bool wider_floating(at::ScalarType a, at::ScalarType b) {
 
 // Upstream frees and re-allocates these storages with
 // torch.UntypedStorage.resize_, which torch's memory tracker patches to see
-// them (memory_tracker_mode.hpp). While it watches, ours go the same way.
-// False: not watching (or a storage Python cannot resize, such as shared
-// memory's), nothing done.
+// them and a fake tensor's storage answers (dispatch_modes.hpp). While either
+// mode is active, ours go the same way. False: neither (or a storage Python
+// cannot resize, such as shared memory's), nothing done.
 bool resize_where_the_tracker_sees_it(const at::Tensor& tensor, size_t bytes) {
-  if (!tensor.storage().resizable() || !memory_tracker_active()) return false;
+  if (!tensor.storage().resizable() || !allocations_through_dispatcher()) return false;
   py::gil_scoped_acquire gil;
   py::object storage = py::cast(tensor).attr("untyped_storage")();
   storage.attr("resize_")(bytes);
@@ -190,12 +190,8 @@ void FsdpParam::to_unsharded() {
   state_ = ShardedState::kUnsharded;
 }
 
-at::Tensor FsdpParam::all_gather_input() const {
-  const at::Tensor& data =
-      state_ == ShardedState::kShardedPostForward ? post_forward_data_ : padded_sharded_data_;
-  if (!is_python_subclass(data)) return data;
-  // Note [tensor subclass parameters]: a plain copy, through its dispatch.
-  return at::empty(data.sizes(), data.options()).copy_(data);
+const at::Tensor& FsdpParam::all_gather_input() const {
+  return state_ == ShardedState::kShardedPostForward ? post_forward_data_ : padded_sharded_data_;
 }
 
 void FsdpParam::init_dtype_attrs(std::optional<at::ScalarType> param_dtype,

@@ -54,11 +54,13 @@
 // NF4): sharding keeps its class, as upstream's does, by making the padded
 // shard with the local tensor's own new_zeros and copy_, which the subclass's
 // dispatch answers. A wrapper subclass has no storage of its own (its data
-// pointer is null; its data lives in the tensors it wraps), so nothing here
-// reads it in place: with an all-gather extension the pre hook's inputs are
-// gathered; without one all_gather_input() hands out a plain copy of it,
-// made through the subclass's dispatch, as upstream's copy-in reads it. The
-// copy kernels refuse such tensors rather than read a null pointer.
+// pointer is null; its data lives in the tensors it wraps), and a fake
+// tensor has no data at all, so nothing here reads such a tensor in place:
+// with an all-gather extension the pre hook's inputs are gathered; without
+// one the copy kernels copy it in with ATen ops, through its dispatch, as
+// upstream's copy-in does (copy_kernels.hpp), per-parameter collectives
+// (which hand the shard to the backend) are off for its group, and
+// host-shared parameters refuse it.
 //
 // Modules are Python objects, so registration writes the module's
 // _parameters dict (or setattr where the class overrides __setattr__), and
@@ -138,7 +140,7 @@ class FSDP_EXT_HIDDEN FsdpParam {
   void set_reduces_grad_outside_dp(bool reduces) { reduces_grad_outside_dp_ = reduces; }
 
   // The flat tensor this rank contributes to the next all-gather.
-  at::Tensor all_gather_input() const;
+  const at::Tensor& all_gather_input() const;
   // The all-gather output with its storage allocated (created on first use).
   const at::Tensor& allocated_all_gather_output();
   // Its elements: the padded parameter, every rank's padded shard.

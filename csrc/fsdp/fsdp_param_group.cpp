@@ -12,6 +12,7 @@
 #include "fsdp/copy_kernels.hpp"
 #include "fsdp/event_trace.hpp"
 #include "fsdp/profiler_range.hpp"
+#include "fsdp/tensor_subclass.hpp"
 #include "torch_compat.hpp"
 
 namespace fsdp_ext::fsdp {
@@ -220,9 +221,12 @@ void FsdpParamGroup::unshard() {
 bool FsdpParamGroup::per_parameter_on(const CollectiveGroup& group,
                                       CollectiveGroup::Purpose purpose, bool from_sharded) const {
   if (!options_.per_parameter_collectives || group.size() == 1) return false;
-  // All-gather extensions gather their own inputs: the flat path serves them.
-  if (std::any_of(params_.begin(), params_.end(),
-                  [](const auto& param) { return param->has_extension(); })) {
+  // All-gather extensions gather their own inputs, and the backend cannot
+  // read a subclass tensor in place (Note [tensor subclass parameters]): the
+  // flat path serves them.
+  if (std::any_of(params_.begin(), params_.end(), [](const auto& param) {
+        return param->has_extension() || is_python_subclass(param->padded_sharded_data());
+      })) {
     return false;
   }
   // Host memory only: our CUDA path has no coalesced collectives.
@@ -317,6 +321,10 @@ void FsdpParamGroup::use_host_shared(at::Tensor region, at::Tensor control,
     TORCH_CHECK_NOT_IMPLEMENTED(!param->has_extension(), where(), ": ", param->fqn(),
                                 " has an all-gather extension, which host-shared parameters "
                                 "do not support");
+    // Host-shared memory is filled and compared in place.
+    TORCH_CHECK_NOT_IMPLEMENTED(!is_python_subclass(param->padded_sharded_data()), where(), ": ",
+                                param->fqn(), " is a tensor subclass (or a fake tensor), which "
+                                "host-shared parameters do not support");
     // A rank's shard of a dim-d > 0 parameter is not one block of it.
     TORCH_CHECK_NOT_IMPLEMENTED(param->shard_dim() == 0, where(),
                                 ": host-shared parameters need every parameter sharded on dim "

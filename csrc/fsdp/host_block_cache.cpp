@@ -5,7 +5,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 
-#include "fsdp/memory_tracker_mode.hpp"
+#include "fsdp/dispatch_modes.hpp"
 
 namespace fsdp_ext::fsdp {
 
@@ -15,9 +15,11 @@ HostBlockCache& HostBlockCache::instance() {
 }
 
 at::Tensor HostBlockCache::empty(int64_t numel, at::ScalarType dtype) {
-  // Seen by torch's memory tracker, as upstream's buffers are
-  // (memory_tracker_mode.hpp).
-  if (memory_tracker_active()) return at::empty({numel}, at::TensorOptions().dtype(dtype));
+  // Seen by torch's memory tracker (or made fake by a fake mode), as
+  // upstream's buffers are (dispatch_modes.hpp).
+  if (allocations_through_dispatcher()) {
+    return at::empty({numel}, at::TensorOptions().dtype(dtype));
+  }
   return at::detail::empty_generic({numel}, &instance(), c10::DispatchKeySet(c10::DispatchKey::CPU),
                                    dtype, std::nullopt);
 }

@@ -47,7 +47,7 @@ class HostBlockCache final : public c10::Allocator {
   // A CPU tensor of `numel` elements of `dtype` whose storage comes from the
   // cache (and goes back to it when the storage frees or replaces it); an
   // ordinary torch.empty while torch's memory tracker watches
-  // (memory_tracker_mode.hpp).
+  // (dispatch_modes.hpp).
   static at::Tensor empty(int64_t numel, at::ScalarType dtype);
 
   c10::DataPtr allocate(size_t bytes) override;

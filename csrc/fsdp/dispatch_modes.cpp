@@ -1,4 +1,4 @@
-#include "fsdp/memory_tracker_mode.hpp"
+#include "fsdp/dispatch_modes.hpp"
 
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/utils/pybind.h>
@@ -31,6 +31,11 @@ bool memory_tracker_active() {
     if (py::isinstance(mode, lookups->tracker_class)) return true;
   }
   return false;
+}
+
+bool fake_mode_active() {
+  return c10::impl::TorchDispatchModeTLS::get_mode(c10::impl::TorchDispatchModeKey::FAKE)
+      .has_value();
 }
 
 }  // namespace fsdp_ext::fsdp

@@ -2,7 +2,7 @@
 it: one process, a fake process group of 4 ranks (this is rank 3, whose shards
 are the shortest), the model built and trained under FakeTensorMode, torch's
 FSDPMemTracker watching two steps (statistics reset after the first); then
-two plain fake steps without the tracker. Upstream's fully_shard and ours in turn;
+two plain fake steps without the tracker, also on a fake group of one rank. Upstream's fully_shard and ours in turn;
 prints one JSON object (test_drop_in.py compares them).
 
     python test/fake_estimation_job.py"""
@@ -95,6 +95,12 @@ def main():
     mesh = init_device_mesh("cpu", (4,))
     result = {impl: {"estimate": estimate(impl, mesh), "plain": plain_fake_step(impl, mesh)}
               for impl in ("upstream", "ours")}
+    dist.destroy_process_group()
+    # One rank: nothing gathered, each shard copied into its own storage.
+    dist.init_process_group("fake", rank=0, world_size=1, store=FakeStore())
+    mesh = init_device_mesh("cpu", (1,))
+    for impl in ("upstream", "ours"):
+        result[impl]["plain, one rank"] = plain_fake_step(impl, mesh)
     dist.destroy_process_group()
     print(json.dumps(result))
 

@@ -329,10 +329,13 @@ def compare_subclass_weights(ctx, variant):
     return problems, upstream[2], upstream[3]
 
 
-@pytest.mark.parametrize("variant", ["extension", "no_extension", "meta"])
-def test_tensor_subclass_weights_keep_their_class_and_match_upstream(variant, pool2):
+@pytest.mark.parametrize("world_size,variant", [
+    (2, "extension"), (2, "no_extension"), (2, "meta"),
+    # One rank: nothing gathered, each shard copied into its own storage.
+    (1, "extension"), (1, "no_extension")])
+def test_tensor_subclass_weights_keep_their_class_and_match_upstream(world_size, variant):
     for rank, (problems, upstream_calls, classes) in enumerate(
-            pool2.run(compare_subclass_weights, variant)):
+            get_pool(world_size).run(compare_subclass_weights, variant)):
         # Upstream kept the class and (with the hooks) called them: the
         # comparison has something to compare.
         assert classes == sorted(["Tensor", _WEIGHT_CLASSES[variant].__name__]), classes

@@ -82,9 +82,12 @@ int64_t byte_size(int64_t numel, at::ScalarType dtype) {
 
 void copy_cast_raw(void* destination, at::ScalarType dtype, const at::Tensor& source) {
   const int64_t numel = source.numel();
-  if (numel == 0 || destination == source.data_ptr()) return;
-  if (!source.is_cpu()) {
-    // A device copy (a kernel on the current stream), through an alias.
+  if (numel == 0) return;
+  const bool subclass = is_python_subclass(source);  // its data pointer is not its data
+  if (!subclass && destination == source.data_ptr()) return;
+  if (!source.is_cpu() || subclass) {
+    // Through an alias: a device copy (a kernel on the current stream), or
+    // the subclass's own copy.
     at::for_blob(destination, {numel})
         .options(source.options().dtype(dtype))
         .target_device(source.device())
@@ -98,6 +101,18 @@ void copy_cast_raw(void* destination, at::ScalarType dtype, const at::Tensor& so
   }
   at::Tensor target = at::from_blob(destination, {numel}, at::TensorOptions().dtype(dtype));
   target.copy_(source.view({numel}));
+}
+
+void copy_cast_into(const at::Tensor& destination, const at::Tensor& source) {
+  TORCH_CHECK_VALUE(destination.numel() == source.numel(), "fsdp_ext copy_cast_into: ",
+                    source.numel(), " elements into ", destination.numel());
+  if (!is_python_subclass(destination)) {
+    copy_cast_raw(destination.data_ptr(), destination.scalar_type(), source);
+    return;
+  }
+  if (source.numel() == 0) return;
+  SubclassVersionsKept version({destination});
+  destination.view({-1}).copy_(source.reshape({-1}));
 }
 
 bool equals_cast_raw(const void* destination, at::ScalarType dtype, const at::Tensor& source) {

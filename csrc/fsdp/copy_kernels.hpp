@@ -71,6 +71,12 @@ int64_t padded_chunk_numel(at::IntArrayRef sizes, int64_t world_size, int64_t sh
 // counter of whatever tensor owns that memory is left alone (autograd's
 // saved views of an unsharded parameter must not see a new version).
 void copy_cast_raw(void* destination, at::ScalarType dtype, const at::Tensor& source);
+// Copies `source` into `destination` (same number of elements, cast to its
+// dtype) leaving `destination`'s version counter as it was: copy_cast_raw
+// into its memory, or, where `destination` is a tensor a Python subclass
+// answers (a fake tensor: no memory to write), its own copy_ with the
+// version restored.
+void copy_cast_into(const at::Tensor& destination, const at::Tensor& source);
 // Whether copy_cast_raw(destination, dtype, source) would leave every byte
 // at `destination` as it is (host memory only).
 bool equals_cast_raw(const void* destination, at::ScalarType dtype, const at::Tensor& source);

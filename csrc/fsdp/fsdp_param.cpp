@@ -128,7 +128,7 @@ FsdpParam::FsdpParam(std::string fqn, std::vector<ModuleSlot> slots, py::object 
                     "fsdp_ext FsdpParam ", fqn_, ": shard dim ", shard_dim_, " is invalid for a ",
                     orig_size_.size(), "-D parameter");
   spec_ = sharded_param_.attr("_spec");
-  sharded_local_ = unpack(sharded_param_.attr("_local_tensor"));
+  remember_subclass_local(unpack(sharded_param_.attr("_local_tensor")));
   capture_grad_dtype_policy(sharded_param_);
   register_on_modules(sharded_param_);
 }
@@ -413,6 +413,18 @@ void FsdpParam::accumulate_sharded_grad(const at::Tensor& shard) {
   }
 }
 
+void FsdpParam::remember_subclass_local(const at::Tensor& local) {
+  subclass_local_.reset();
+  if (is_python_subclass(local)) subclass_local_.emplace(local.getIntrusivePtr());
+}
+
+bool FsdpParam::is_subclass_local(const at::Tensor& local) const {
+  if (!subclass_local_) return false;
+  // Alive, so the same address is the same tensor.
+  const c10::intrusive_ptr<c10::TensorImpl> alive = subclass_local_->lock();
+  return alive && alive.get() == local.unsafeGetTensorImpl();
+}
+
 void FsdpParam::reset_sharded_param() {
   const ModuleSlot& owner = slots_.front();
   py::object param = py::reinterpret_borrow<py::dict>(owner.parameters)[owner.name];
@@ -439,8 +451,9 @@ void FsdpParam::reset_sharded_param() {
       local.scalar_type() == padded_sharded_data_.scalar_type() &&
       local.device() == padded_sharded_data_.device() &&
       (is_python_subclass(local)
-           ? local.is_same(sharded_local_)
-           : (local.numel() == 0 || local.data_ptr() == padded_sharded_data_.data_ptr()));
+           ? is_subclass_local(local)
+           : !is_python_subclass(padded_sharded_data_) &&
+                 (local.numel() == 0 || local.data_ptr() == padded_sharded_data_.data_ptr()));
   if (backed) return;
   TORCH_CHECK_VALUE(local.dim() >= 1 && local.is_contiguous(), "fsdp_ext ", fqn_,
                     ": the sharded local tensor must be contiguous with at least one dim");
@@ -452,8 +465,9 @@ void FsdpParam::reset_sharded_param() {
   padded.narrow(dim, 0, local.size(dim)).copy_(local);
   if (pin_memory_) padded = padded.pin_memory();  // CPUOffloadPolicy(pin_memory=True)
   padded_sharded_data_ = padded.view({-1});
-  sharded_local_ = padded.narrow(dim, 0, local.size(dim));
-  sharded_param_.attr("_local_tensor") = sharded_local_;
+  at::Tensor new_local = padded.narrow(dim, 0, local.size(dim));
+  remember_subclass_local(new_local);
+  sharded_param_.attr("_local_tensor") = new_local;
   // A later all-gather allocates an output of the new unsharded dtype.
   clamp_dtypes();
 }

@@ -247,6 +247,8 @@ class FSDP_EXT_HIDDEN FsdpParam {
   // nothing (a parameter rebuilt by Module._apply lost it).
   void capture_grad_dtype_policy(const py::object& param);
   void register_on_modules(const py::object& param);
+  void remember_subclass_local(const at::Tensor& local);
+  bool is_subclass_local(const at::Tensor& local) const;
   // Forgets the all-gather output and the unsharded parameter when they no
   // longer have the unsharded dtype (policy or parameter dtype changed).
   void drop_unsharded_of_stale_dtype();
@@ -280,11 +282,12 @@ class FSDP_EXT_HIDDEN FsdpParam {
   py::object grad_spec_;       // spec_ for gradients of another dtype (grad_spec),
   at::ScalarType grad_spec_dtype_ = at::kFloat;  // that dtype
   at::Tensor padded_sharded_data_;  // 1-D
-  // The sharded DTensor's local tensor, a view of padded_sharded_data_. Kept
-  // for local tensors that are tensor subclasses without storage of their
-  // own (Note [tensor subclass parameters]), where data pointers cannot tell
-  // whether a local tensor still views our padded data.
-  at::Tensor sharded_local_;
+  // The sharded DTensor's local tensor where it is a tensor subclass (Note
+  // [tensor subclass parameters]), whose data pointer cannot tell whether it
+  // still views our padded data: then only the very tensor we made does.
+  // Weak, so that it adds no reference (torch.utils.swap_tensors refuses a
+  // tensor referenced twice).
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> subclass_local_;
 
   at::Tensor all_gather_output_;  // 1-D, world * padded numel
   bool host_shared_ = false;      // all_gather_output_ views host-shared memory

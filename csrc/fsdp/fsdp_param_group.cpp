@@ -453,19 +453,16 @@ void FsdpParamGroup::wait_for_unshard() {
   if (pending.world_size == 1) {
     // Nothing to gather: copy (cast) each shard into its own unsharded
     // storage, which reshard can release without touching the sharded data.
-    // A raw copy keeps the version counter unchanged, as autograd's saved
+    // The copy keeps the version counter unchanged, as autograd's saved
     // tensors expect.
     for (const auto& param : params_) {
       if (param->has_extension()) {
         const std::vector<at::Tensor> inputs = param->extension_inputs();
         const std::vector<at::Tensor> outputs = param->extension_outputs(inputs, 1);
-        for (size_t i = 0; i < inputs.size(); ++i) {
-          copy_cast_raw(outputs[i].data_ptr(), outputs[i].scalar_type(), inputs[i]);
-        }
+        for (size_t i = 0; i < inputs.size(); ++i) copy_cast_into(outputs[i], inputs[i]);
         continue;
       }
-      const at::Tensor& output = param->allocated_all_gather_output();
-      copy_cast_raw(output.data_ptr(), output.scalar_type(), param->all_gather_input());
+      copy_cast_into(param->allocated_all_gather_output(), param->all_gather_input());
     }
   } else if (pending.per_parameter) {
     // The collective wrote the parameters' own storage: nothing to copy.

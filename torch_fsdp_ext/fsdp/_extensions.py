@@ -203,10 +203,8 @@ def attach(groups, mp_policy) -> None:
 def _padded_shard_size(param) -> tuple:
     """This rank's padded shard's shape: the original shape with the shard
     dim cut to the padded rows per rank (on dim d > 0 shards are even)."""
+    from .. import _C
+
     size, dim = list(param.orig_size), param.shard_dim
-    others = 1
-    for i, extent in enumerate(size):
-        if i != dim:
-            others *= extent
-    size[dim] = param.padded_sharded_data.numel() // max(1, others)
+    size[dim] = _C._fsdp_shard_extent(size[dim], param.shard_mesh.size(), 0)[0]
     return tuple(size)

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fsdp_testing import MLPStack, fsdp_api  # noqa: E402
+from fsdp_testing import MLPStack, fsdp_api, tracker_phase_sizes  # noqa: E402
 
 # The per-module kinds the tracker counts the same on both (test_drop_in.py).
 TRACKED_KINDS = ("SHARDED_PARAM", "UNSHARDED_PARAM", "UNSHARDED_GRAD", "OPT")
@@ -59,14 +59,8 @@ def estimate(impl, mesh):
             step(model, optim, batch)
         peak = {str(kind): size
                 for kind, size in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
-        phases = {}
-        for stats in tracker.memory_tracking.values():
-            for state, taken in stats.snapshots.items():
-                if state.name.startswith("PEAK"):
-                    continue
-                sizes = {kind.name: size for kind, size in taken[-1][torch.device("cpu")].items()
-                         if hasattr(kind, "name")}
-                phases[f"{stats.mod_fqn} {state.name}"] = {k: sizes[k] for k in TRACKED_KINDS}
+        phases = {f"{fqn} {phase}": sizes
+                  for (fqn, phase), sizes in tracker_phase_sizes(tracker, TRACKED_KINDS).items()}
     return {"peak": peak, "phases": phases}
 
 

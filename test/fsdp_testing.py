@@ -431,6 +431,35 @@ def mlp_batch(rank, step, dim=10, batch=4):
 # Checks
 
 
+def train_mlp_steps(model, rank, steps=3):
+    """`steps` SGD steps (lr 0.1) of an MLPStack-shaped model on mlp_batch,
+    fitting sin(x); returns the losses."""
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        x = mlp_batch(rank, step)
+        loss = F.mse_loss(model(x), torch.sin(x))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def tracker_phase_sizes(tracker, kinds):
+    """An FSDPMemTracker's last snapshot of every module and non-peak phase,
+    {(module fqn, phase name): {kind: bytes}} for the named kinds (host)."""
+    sizes_by_phase = {}
+    for stats in tracker.memory_tracking.values():
+        for state, taken in stats.snapshots.items():
+            if state.name.startswith("PEAK"):
+                continue
+            sizes = {kind.name: size for kind, size in taken[-1][torch.device("cpu")].items()
+                     if hasattr(kind, "name")}
+            sizes_by_phase[(stats.mod_fqn, state.name)] = {k: sizes[k] for k in kinds}
+    return sizes_by_phase
+
+
 def average_grads(model, group, world_size):
     """The data-parallel reference: grads all-reduced (sum) over ``group``
     and divided by the world size."""

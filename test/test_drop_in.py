@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from conftest import get_pool
-from fsdp_testing import IMPLS, TinyLM, fsdp_api, lm_batch, lm_loss
+from fsdp_testing import IMPLS, TinyLM, fsdp_api, lm_batch, lm_loss, tracker_phase_sizes
 
 
 def _mesh():
@@ -276,14 +276,7 @@ def _track_memory(fully_shard):
         _tracker_step(model, optim, 1)
         tracker.reset_mod_stats()
         _tracker_step(model, optim, 2)
-    snapshots = {}
-    for stats in tracker.memory_tracking.values():
-        for state, taken in stats.snapshots.items():
-            if state.name.startswith("PEAK"):
-                continue
-            sizes = {kind.name: size for kind, size in taken[-1][torch.device("cpu")].items()
-                     if hasattr(kind, "name")}
-            snapshots[(stats.mod_fqn, state.name)] = {k: sizes[k] for k in _TRACKED_KINDS}
+    snapshots = tracker_phase_sizes(tracker, _TRACKED_KINDS)
     _tracker_step(model, optim, 3)  # through the hooks handed back
     params = [p.full_tensor().clone() for p in model.parameters()]
     return snapshots, params, model

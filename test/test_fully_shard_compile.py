@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import get_pool
-from fsdp_testing import IMPLS, MLP, MLPStack, fsdp_api, mlp_batch
+from fsdp_testing import IMPLS, MLP, MLPStack, fsdp_api, mlp_batch, train_mlp_steps
 
 
 def train_compiled(ctx, how):
@@ -35,15 +35,7 @@ def train_compiled(ctx, how):
         api.fully_shard(model, mesh=mesh)
         if how == "whole":
             model.compile(backend="aot_eager")
-        optim = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
-        for step in range(3):
-            x = mlp_batch(ctx.rank, step)
-            loss = F.mse_loss(model(x), torch.sin(x))
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            losses.append(loss.item())
+        losses = train_mlp_steps(model, ctx.rank)
         # What dynamo compiled: frames, and graph breaks (by reason).
         compiled = (counters["frames"]["total"], sum(counters["graph_break"].values()))
         out[impl] = (losses, [p.detach().full_tensor() for p in model.parameters()], compiled)

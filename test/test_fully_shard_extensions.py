@@ -24,10 +24,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from conftest import get_pool
-from fsdp_testing import MLPStack, WrapperWeight, fsdp_api, mlp_batch
+from fsdp_testing import MLPStack, WrapperWeight, fsdp_api, mlp_batch, train_mlp_steps
 
 
 def _install(model, variant, calls):
@@ -100,6 +99,17 @@ def _install(model, variant, calls):
         local.fsdp_post_all_gather = types.MethodType(post, local)
 
 
+def _materialize(model):
+    """A model sharded on the meta device: its memory on the host, its Linear
+    layers initialised from seed 0."""
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.reset_parameters()
+
+
 def train_with_extensions(ctx, impl, variant):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -124,23 +134,10 @@ def train_with_extensions(ctx, impl, variant):
         if not isinstance(module, nn.Linear):
             api.fully_shard(module, mesh=mesh, shard_placement_fn=placement)
     api.fully_shard(model, mesh=mesh, shard_placement_fn=placement)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Linear):
-                module.reset_parameters()
+    _materialize(model)
     calls: list = []
     _install(model, variant, calls)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(3):
-        x = mlp_batch(ctx.rank, step)
-        loss = F.mse_loss(model(x), torch.sin(x))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
+    losses = train_mlp_steps(model, ctx.rank)
     params = [p.full_tensor() for p in model.parameters()]
     return losses, params, calls
 
@@ -292,22 +289,9 @@ def train_subclass_weights(ctx, impl, variant):
             api.fully_shard(module)
     api.fully_shard(model)
     if variant == "meta":
-        model.to_empty(device="cpu")
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for module in model.modules():
-                if isinstance(module, nn.Linear):
-                    module.reset_parameters()
+        _materialize(model)
     Bf16GatherWeight.calls = []
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(3):
-        x = mlp_batch(ctx.rank, step)
-        loss = F.mse_loss(model(x), torch.sin(x))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
+    losses = train_mlp_steps(model, ctx.rank)
     classes = sorted({type(p._local_tensor).__name__ for p in model.parameters()})
     params = [p.full_tensor() for p in model.parameters()]
     params = [p._data if isinstance(p, WrapperWeight) else p for p in params]

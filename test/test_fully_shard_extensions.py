@@ -14,7 +14,8 @@ sees the shard mesh only.
 
 Then the hooks as quantised training defines them, on the class of a tensor
 subclass weight (sharding must keep the class), on tensor-parallel (DTensor)
-parameters, and torchao's float8 training with its float8 all-gather.
+parameters, torchao's float8 training with its float8 all-gather, and
+torchao's NF4 (QLoRA), int8 and BitNet weights.
 """
 
 import functools
@@ -487,4 +488,172 @@ def test_torchao_float8_all_gather_matches_upstream(pool2):
     for rank, (problems, gathered) in enumerate(pool2.run(compare_float8)):
         # 4 float8 weights, gathered as float8 in each forward and backward unshard.
         assert gathered and set(gathered) == {"torch.float8_e4m3fn"}, gathered
+        assert not problems, (rank, problems)
+
+
+# --------------------------------------------------------------------------
+# torchao's other FSDP2-aware weights, each a corner of its own: NF4 (QLoRA:
+# frozen, the legacy one-argument pre hook, sharded through aten.split since
+# it refuses a slice that does not start at 0), NF4 built on the meta device
+# and loaded as torchtune loads it (a padded NF4 shard per rank, then
+# load_state_dict(assign=True)), int8 weight-only quantised training (trained
+# in place with stochastic rounding; its view(-1) is itself, 2-D) and BitNet
+# (2-bit packed gathers, the post hook's out= path).
+
+class LoRALinear(nn.Module):
+    """A frozen NF4 weight with a trainable low-rank update, as in QLoRA."""
+
+    def __init__(self, d_in, d_out, rank=8):
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        super().__init__()
+        self.weight = nn.Parameter(to_nf4(torch.randn(d_out, d_in) / d_in ** 0.5),
+                                   requires_grad=False)
+        self.lora_a = nn.Linear(d_in, rank, bias=False)
+        self.lora_b = nn.Linear(rank, d_out, bias=False)
+
+    def forward(self, x):
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+        return linear_nf4(x, self.weight) + self.lora_b(self.lora_a(x))
+
+
+def _qlora_model():
+    return nn.Sequential(*(nn.Sequential(LoRALinear(128, 512), nn.GELU(), LoRALinear(512, 128))
+                           for _ in range(2)))
+
+
+def _load_nf4_as_torchtune(model, full_state):
+    """A model sharded on the meta device gets its weights: NF4 ones as a
+    padded NF4 shard made on each rank, the rest by distribute_tensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4
+
+    sharded = {}
+    for name, meta in model.state_dict().items():
+        full, mesh = full_state[name], meta.device_mesh
+        if isinstance(meta._local_tensor, NF4Tensor):
+            full = to_nf4(full.get_original_weight(), meta._local_tensor.block_size,
+                          meta._local_tensor.scaler_block_size)
+            rows = torch.chunk(full, mesh.size(), dim=0)[mesh.get_local_rank()]
+            local = full.new_zeros(rows.size())
+            local[: rows.size(0)].copy_(rows)
+            spec = DTensorSpec(mesh, meta.placements, tensor_meta=TensorMeta(
+                meta.size(), meta.stride(), meta.dtype))
+            tensor = DTensor(local, spec, requires_grad=False)
+        else:
+            tensor = distribute_tensor(full, mesh, meta.placements)
+        sharded[name] = nn.Parameter(tensor, requires_grad=meta.requires_grad)
+    model.load_state_dict(sharded, strict=True, assign=True)
+
+
+def _quantised_weight_class(recipe):
+    if recipe.startswith("nf4"):
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+        return NF4Tensor
+    from torchao.prototype import quantized_training
+
+    return {"int8": quantized_training.Int8QuantizedTrainingLinearWeight,
+            "bitnet": quantized_training.BitNetTrainingLinearWeight}[recipe]
+
+
+def _plain_weight(tensor):
+    """A quantised weight as the float tensor it stands for."""
+    for name in ("get_original_weight", "dequantize"):
+        if hasattr(tensor, name):
+            return getattr(tensor, name)()
+    return getattr(tensor, "_data", tensor)
+
+
+def train_quantised(ctx, impl, recipe):
+    from torchao import quantize_
+    from torchao.prototype import quantized_training
+
+    api = fsdp_api(impl)
+    weight_class = _quantised_weight_class(recipe)
+    gathered_dtypes = []
+    pre = weight_class.fsdp_pre_all_gather
+
+    @functools.wraps(pre)  # FSDP reads the hook's signature (NF4's, BitNet's: legacy)
+    def recording_pre(self, *args, **kwargs):
+        inputs, metadata = pre(self, *args, **kwargs)
+        gathered_dtypes.extend(str(t.dtype).removeprefix("torch.") for t in inputs)
+        return inputs, metadata
+
+    weight_class.fsdp_pre_all_gather = recording_pre
+    try:
+        torch.manual_seed(0)
+        if recipe == "nf4_meta_load":
+            full_state = _qlora_model().state_dict()
+            with torch.device("meta"):
+                model = _qlora_model()
+        elif recipe == "nf4":
+            model = _qlora_model()
+        else:
+            model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 128, bias=False), nn.GELU(),
+                                                  nn.Linear(128, 64, bias=False))
+                                    for _ in range(2)))
+            quantize_(model, {"int8": quantized_training.int8_weight_only_quantized_training,
+                              "bitnet": quantized_training.bitnet_training}[recipe]())
+        for block in model:
+            api.fully_shard(block)
+        api.fully_shard(model)
+        if recipe == "nf4_meta_load":
+            _load_nf4_as_torchtune(model, full_state)
+        classes = sorted({type(p._local_tensor).__name__ for p in model.parameters()})
+        # int8 weights take no weight decay (their mul_ is not implemented).
+        optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=1e-2, weight_decay=0.0)
+        losses = []
+        d_in = model[0][0].weight.shape[1]
+        for step in range(3):
+            torch.manual_seed(100 + step)  # int8's stochastic rounding draws from it
+            x = torch.randn(16, d_in, generator=torch.Generator().manual_seed(10 * step + ctx.rank))
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            if recipe == "bitnet":
+                quantized_training.precompute_bitnet_scale_for_fsdp(model)
+            losses.append(loss.item())
+    finally:
+        weight_class.fsdp_pre_all_gather = pre
+    # Each rank's shards, as the floats they stand for (int8 weights have no
+    # full_tensor); NF4 weights also gathered whole, as a checkpoint saves them.
+    params = [_plain_weight(p.detach()._local_tensor) for p in model.parameters()]
+    if recipe.startswith("nf4"):
+        params += [_plain_weight(p.detach().full_tensor()) for p in model.parameters()
+                   if not p.requires_grad]
+    return losses, params, gathered_dtypes, classes
+
+
+def compare_quantised(ctx, recipe):
+    upstream = train_quantised(ctx, "upstream", recipe)
+    ours = train_quantised(ctx, "ours", recipe)
+    problems = [f"{what}: ours {mine} upstream {theirs}"
+                for what, mine, theirs in (("losses", ours[0], upstream[0]),
+                                           ("gathered dtypes", ours[2], upstream[2]),
+                                           ("classes", ours[3], upstream[3]))
+                if mine != theirs]
+    problems += [f"parameter {i}: max diff {(mine - theirs).abs().max().item():.3e}"
+                 for i, (mine, theirs) in enumerate(zip(ours[1], upstream[1]))
+                 if not torch.equal(mine, theirs)]
+    return problems, upstream[2], upstream[3]
+
+
+@pytest.mark.parametrize("recipe, gathered, weight_class", [
+    # NF4: int8 block scalers, their float32 factors, the 4-bit codes in uint8.
+    ("nf4", {"int8", "float32", "uint8"}, "NF4Tensor"),
+    ("nf4_meta_load", {"int8", "float32", "uint8"}, "NF4Tensor"),
+    ("int8", {"int8", "float32"}, "Int8QuantizedTrainingLinearWeight"),
+    ("bitnet", {"int8"}, "BitNetTrainingLinearWeight"),
+])
+def test_torchao_quantised_weights_match_upstream(recipe, gathered, weight_class, pool2):
+    pytest.importorskip("torchao", reason="torchao is not installed (make test installs it)")
+    for rank, (problems, dtypes, classes) in enumerate(pool2.run(compare_quantised, recipe)):
+        assert weight_class in classes, classes
+        # The quantised bytes are what travels, not the floats they stand for.
+        assert dtypes and set(dtypes) == gathered, (rank, sorted(set(dtypes)))
         assert not problems, (rank, problems)

@@ -122,8 +122,12 @@ FsdpParam::FsdpParam(std::string fqn, std::vector<ModuleSlot> slots, py::object 
       sharded_param_(std::move(sharded_param)),
       padded_sharded_data_(std::move(padded_sharded_data)) {
   TORCH_CHECK_VALUE(!slots_.empty(), "fsdp_ext FsdpParam ", fqn_, ": no module holds it");
-  TORCH_CHECK_VALUE(padded_sharded_data_.dim() == 1, "fsdp_ext FsdpParam ", fqn_,
-                    ": padded sharded data must be 1-D");
+  // A subclass's view(-1) is whatever the subclass makes of it: torchao's
+  // int8 training weights answer it with themselves, 2-D, and upstream keeps
+  // that (their all-gather extension gathers their own inputs).
+  TORCH_CHECK_VALUE(padded_sharded_data_.dim() == 1 || is_python_subclass(padded_sharded_data_),
+                    "fsdp_ext FsdpParam ", fqn_, ": padded sharded data must be 1-D, not ",
+                    padded_sharded_data_.sizes());
   TORCH_CHECK_VALUE(shard_dim_ >= 0 && shard_dim_ < static_cast<int64_t>(orig_size_.size()),
                     "fsdp_ext FsdpParam ", fqn_, ": shard dim ", shard_dim_, " is invalid for a ",
                     orig_size_.size(), "-D parameter");

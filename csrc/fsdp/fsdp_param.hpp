@@ -281,7 +281,7 @@ class FSDP_EXT_HIDDEN FsdpParam {
   py::object spec_;            // its DTensorSpec, for gradient DTensors
   py::object grad_spec_;       // spec_ for gradients of another dtype (grad_spec),
   at::ScalarType grad_spec_dtype_ = at::kFloat;  // that dtype
-  at::Tensor padded_sharded_data_;  // 1-D
+  at::Tensor padded_sharded_data_;  // 1-D (a subclass: what its view(-1) returns)
   // The sharded DTensor's local tensor where it is a tensor subclass (Note
   // [tensor subclass parameters]), whose data pointer cannot tell whether it
   // still views our padded data: then only the very tensor we made does.

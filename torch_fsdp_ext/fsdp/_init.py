@@ -506,7 +506,10 @@ def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str,
         # weights), as upstream's (Note [tensor subclass parameters]).
         padded = data.new_zeros(padded_size)
         if length and data.device.type != "meta":
-            padded.narrow(dim, 0, length).copy_(data.narrow(dim, start, length))
+            # The rank's rows through torch.chunk (aten.split), as upstream
+            # takes them: NF4 weights split, but refuse a slice not at 0.
+            rows = torch.chunk(data, world, dim)[rank]
+            padded.narrow(dim, 0, length).copy_(rows)
         if pin_memory and data.device.type != "meta":
             padded = padded.pin_memory()
     if tp_spec is None:

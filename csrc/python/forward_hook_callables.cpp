@@ -14,13 +14,15 @@
 //
 // The capsule is invisible to Python's cycle collector, which is safe only
 // because ForwardHooks holds its state and its Python hooks weakly (see
-// forward_hooks.hpp); keep it so.
+// forward_hooks.hpp); keep it so. Each runs with dynamo's frame callback
+// cleared (Note [C++ hooks run outside dynamo]).
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <memory>
 
 #include "fsdp/forward_hooks.hpp"
+#include "python/dynamo_frames_off.hpp"
 
 namespace py = pybind11;
 
@@ -50,6 +52,7 @@ PyObject* call_pre(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
                     "fsdp_ext forward pre-hook takes (module, args: tuple, kwargs: dict)");
     return nullptr;
   }
+  DynamoFramesOff outside_dynamo;
   return hooks_of(capsule)
       .pre(args[0], py::reinterpret_borrow<py::tuple>(args[1]),
            py::reinterpret_borrow<py::dict>(args[2]))
@@ -61,6 +64,7 @@ PyObject* call_pre(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
 PyObject* call_post(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (!three_arguments("post", nargs)) return nullptr;
+  DynamoFramesOff outside_dynamo;
   return hooks_of(capsule).post(args[0], args[1], args[2]).release().ptr();
   END_HANDLE_TH_ERRORS
 }

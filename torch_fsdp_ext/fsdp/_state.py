@@ -60,7 +60,9 @@ def get_fsdp_state(module: nn.Module) -> Optional["FSDPState"]:
 # guarding id(state) in _lazy_init). So every Python hook entry point is a
 # dynamo-disabled function: the C++ hooks and autograd reach the Python ones
 # through WeakMethods bound to disabled functions (_weak_hook), the hooks of a
-# state of several modules are registered disabled. Dynamo is imported at the
+# state of several modules are registered disabled, and the C++ forward hooks
+# clear dynamo's frame callback while they run (Note [C++ hooks run outside
+# dynamo], csrc/python/dynamo_frames_off.hpp). Dynamo is imported at the
 # first fully_shard, not with the package: the import takes about a second.
 def _outside_dynamo(function: Callable) -> Callable:
     """`function` with dynamo disabled for it and all it calls (Note [our

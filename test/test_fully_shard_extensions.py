@@ -111,6 +111,41 @@ def _materialize(model):
                 module.reset_parameters()
 
 
+def _shown(value):
+    """A recorded list in a failure message: its start and its length."""
+    return f"{value[:6]}... ({len(value)})" if isinstance(value, list) else value
+
+
+def differences(ours: dict, upstream: dict) -> list[str]:
+    """What differs between two runs of one training function, ours and
+    upstream's: "params" tensor by tensor, bit for bit; "frames" (what dynamo
+    compiled) where ours compiled more; every other entry by ==."""
+    problems = []
+    for key, theirs in upstream.items():
+        mine = ours[key]
+        if key == "params":
+            problems += [f"parameter {i}: max diff {(a - b).abs().max().item():.3e}"
+                         for i, (a, b) in enumerate(zip(mine, theirs)) if not torch.equal(a, b)]
+        elif key == "frames":
+            # Note [C++ hooks run outside dynamo]: dynamo must not compile
+            # the extension's hooks as frames of their own (the float8 post
+            # hook's new scale then never reached the weight).
+            if mine > theirs:
+                problems.append(f"dynamo compiled {mine} frames, upstream {theirs}")
+        elif mine != theirs:
+            problems.append(f"{key}: ours {_shown(mine)} upstream {_shown(theirs)}")
+    return problems
+
+
+def compare_with_upstream(ctx, train, *args):
+    """`train` run with upstream's fully_shard, then ours: the differences,
+    and what upstream's run recorded (for the test to check it did what the
+    test is about), its parameters left here."""
+    upstream = train(ctx, "upstream", *args)
+    ours = train(ctx, "ours", *args)
+    return differences(ours, upstream), {k: v for k, v in upstream.items() if k != "params"}
+
+
 def train_with_extensions(ctx, impl, variant):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -140,34 +175,21 @@ def train_with_extensions(ctx, impl, variant):
     _install(model, variant, calls)
     losses = train_mlp_steps(model, ctx.rank)
     params = [p.full_tensor() for p in model.parameters()]
-    return losses, params, calls
-
-
-def compare_extensions(ctx, variant):
-    upstream = train_with_extensions(ctx, "upstream", variant)
-    ours = train_with_extensions(ctx, "ours", variant)
-    problems = []
-    if ours[0] != upstream[0]:
-        problems.append(f"losses: ours {ours[0]} upstream {upstream[0]}")
-    for i, (mine, theirs) in enumerate(zip(ours[1], upstream[1])):
-        if not torch.equal(mine, theirs):
-            problems.append(f"parameter {i}: max diff {(mine - theirs).abs().max().item():.3e}")
-    if ours[2] != upstream[2]:
-        problems.append(f"hook calls: ours {ours[2][:6]}... ({len(ours[2])}) upstream "
-                        f"{upstream[2][:6]}... ({len(upstream[2])})")
-    return problems, len(upstream[2])
+    return {"losses": losses, "params": params, "hook calls": calls}
 
 
 @pytest.mark.parametrize("variant", ["cast", "two", "legacy", "shard1", "two_shard1"])
 def test_extensions_on_local_tensors_match_upstream(variant, pool2):
-    for rank, (problems, upstream_calls) in enumerate(pool2.run(compare_extensions, variant)):
-        assert upstream_calls > 0, "upstream never called the hooks: the test proves nothing"
+    for rank, (problems, upstream) in enumerate(
+            pool2.run(compare_with_upstream, train_with_extensions, variant)):
+        assert upstream["hook calls"], "upstream never called the hooks: the test proves nothing"
         assert not problems, (rank, problems)
 
 
 def test_extensions_see_the_shard_mesh_under_hsdp(pool4):
-    for rank, (problems, upstream_calls) in enumerate(pool4.run(compare_extensions, "hsdp")):
-        assert upstream_calls > 0
+    for rank, (problems, upstream) in enumerate(
+            pool4.run(compare_with_upstream, train_with_extensions, "hsdp")):
+        assert upstream["hook calls"]
         assert not problems, (rank, problems)
 
 
@@ -296,22 +318,8 @@ def train_subclass_weights(ctx, impl, variant):
     classes = sorted({type(p._local_tensor).__name__ for p in model.parameters()})
     params = [p.full_tensor() for p in model.parameters()]
     params = [p._data if isinstance(p, WrapperWeight) else p for p in params]
-    return losses, params, list(Bf16GatherWeight.calls), classes
-
-
-def compare_subclass_weights(ctx, variant):
-    upstream = train_subclass_weights(ctx, "upstream", variant)
-    ours = train_subclass_weights(ctx, "ours", variant)
-    problems = [f"{what}: ours {mine} upstream {theirs}"
-                for what, mine, theirs in (("losses", ours[0], upstream[0]),
-                                           ("classes", ours[3], upstream[3]))
-                if mine != theirs]
-    problems += [f"parameter {i} differs" for i, (mine, theirs)
-                 in enumerate(zip(ours[1], upstream[1])) if not torch.equal(mine, theirs)]
-    if ours[2] != upstream[2]:
-        problems.append(f"hook calls: ours {ours[2][:4]} ({len(ours[2])}), "
-                        f"upstream {upstream[2][:4]} ({len(upstream[2])})")
-    return problems, upstream[2], upstream[3]
+    return {"losses": losses, "params": params, "hook calls": list(Bf16GatherWeight.calls),
+            "classes": classes}
 
 
 @pytest.mark.parametrize("world_size,variant", [
@@ -319,12 +327,13 @@ def compare_subclass_weights(ctx, variant):
     # One rank: nothing gathered, each shard copied into its own storage.
     (1, "extension"), (1, "no_extension")])
 def test_tensor_subclass_weights_keep_their_class_and_match_upstream(world_size, variant):
-    for rank, (problems, upstream_calls, classes) in enumerate(
-            get_pool(world_size).run(compare_subclass_weights, variant)):
+    for rank, (problems, upstream) in enumerate(
+            get_pool(world_size).run(compare_with_upstream, train_subclass_weights, variant)):
         # Upstream kept the class and (with the hooks) called them: the
         # comparison has something to compare.
+        classes, calls = upstream["classes"], upstream["hook calls"]
         assert classes == sorted(["Tensor", _WEIGHT_CLASSES[variant].__name__]), classes
-        assert (len(upstream_calls) > 0) == (variant != "no_extension"), upstream_calls
+        assert bool(calls) == (variant != "no_extension"), calls
         assert not problems, (rank, problems)
 
 
@@ -381,27 +390,16 @@ def train_tp_with_extensions(ctx, impl):
         optim.step()
         optim.zero_grad()
         losses.append(loss.item())
-    unsharded_types = {type(p).__name__ for p in model.blocks[0].parameters()}
-    return losses, [p.detach().full_tensor() for p in model.parameters()], calls, unsharded_types
-
-
-def compare_tp_with_extensions(ctx):
-    upstream = train_tp_with_extensions(ctx, "upstream")
-    ours = train_tp_with_extensions(ctx, "ours")
-    problems = []
-    if ours[0] != upstream[0]:
-        problems.append(f"losses: ours {ours[0]} upstream {upstream[0]}")
-    problems += [f"parameter {i} differs" for i, (mine, theirs)
-                 in enumerate(zip(ours[1], upstream[1])) if not torch.equal(mine, theirs)]
-    if ours[2] != upstream[2]:
-        problems.append(f"hook calls: ours {ours[2][:4]} ({len(ours[2])}), "
-                        f"upstream {upstream[2][:4]} ({len(upstream[2])})")
-    return problems, upstream[2]
+    return {"losses": losses, "params": [p.detach().full_tensor() for p in model.parameters()],
+            "hook calls": calls,
+            "unsharded types": {type(p).__name__ for p in model.blocks[0].parameters()}}
 
 
 def test_extensions_on_tensor_parallel_parameters_match_upstream(pool4):
-    for rank, (problems, calls) in enumerate(pool4.run(compare_tp_with_extensions)):
+    for rank, (problems, upstream) in enumerate(
+            pool4.run(compare_with_upstream, train_tp_with_extensions)):
         assert not problems, (rank, problems)
+        calls = upstream["hook calls"]
         # The hooks saw the 2-rank data-parallel mesh and TP-local sizes (the
         # column-parallel w1, 32x16, has 16 rows per TP rank), and `out` was
         # the TP DTensor after the first unshard.
@@ -473,32 +471,16 @@ def train_float8(ctx, impl, compiled=False):
         WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = pre
     params = [p.detach().full_tensor() for p in model.parameters()]
     params = [getattr(p, "_tensor", p) for p in params]  # torchao's wrapper: its data
-    frames = counters["frames"]["total"] if compiled else 0
-    return losses, params, gathered_dtypes, classes, frames
-
-
-def compare_float8(ctx, compiled):
-    upstream = train_float8(ctx, "upstream", compiled)
-    ours = train_float8(ctx, "ours", compiled)
-    problems = [f"{what}: ours {mine} upstream {theirs}"
-                for what, mine, theirs in (("losses", ours[0], upstream[0]),
-                                           ("gathered dtypes", ours[2], upstream[2]),
-                                           ("classes", ours[3], upstream[3]))
-                if mine != theirs]
-    problems += [f"parameter {i} differs" for i, (mine, theirs)
-                 in enumerate(zip(ours[1], upstream[1])) if not torch.equal(mine, theirs)]
-    # Note [C++ hooks run outside dynamo]: compiled, dynamo must not compile
-    # the extension's hooks as frames of their own (the post hook's new scale
-    # then never reached the weight: from the second step on, other losses).
-    if ours[4] > upstream[4]:
-        problems.append(f"dynamo compiled {ours[4]} frames, upstream {upstream[4]}")
-    return problems, upstream[2]
+    return {"losses": losses, "params": params, "gathered dtypes": gathered_dtypes,
+            "classes": classes, "frames": counters["frames"]["total"] if compiled else 0}
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_torchao_float8_all_gather_matches_upstream(compiled, pool2):
     pytest.importorskip("torchao", reason="torchao is not installed (make test installs it)")
-    for rank, (problems, gathered) in enumerate(pool2.run(compare_float8, compiled)):
+    for rank, (problems, upstream) in enumerate(
+            pool2.run(compare_with_upstream, train_float8, compiled)):
+        gathered = upstream["gathered dtypes"]
         # 4 float8 weights, gathered as float8 in each forward and backward unshard.
         assert gathered and set(gathered) == {"torch.float8_e4m3fn"}, gathered
         assert not problems, (rank, problems)
@@ -639,21 +621,8 @@ def train_quantised(ctx, impl, recipe):
     if recipe.startswith("nf4"):
         params += [_plain_weight(p.detach().full_tensor()) for p in model.parameters()
                    if not p.requires_grad]
-    return losses, params, gathered_dtypes, classes
-
-
-def compare_quantised(ctx, recipe):
-    upstream = train_quantised(ctx, "upstream", recipe)
-    ours = train_quantised(ctx, "ours", recipe)
-    problems = [f"{what}: ours {mine} upstream {theirs}"
-                for what, mine, theirs in (("losses", ours[0], upstream[0]),
-                                           ("gathered dtypes", ours[2], upstream[2]),
-                                           ("classes", ours[3], upstream[3]))
-                if mine != theirs]
-    problems += [f"parameter {i}: max diff {(mine - theirs).abs().max().item():.3e}"
-                 for i, (mine, theirs) in enumerate(zip(ours[1], upstream[1]))
-                 if not torch.equal(mine, theirs)]
-    return problems, upstream[2], upstream[3]
+    return {"losses": losses, "params": params, "gathered dtypes": gathered_dtypes,
+            "classes": classes}
 
 
 @pytest.mark.parametrize("recipe, gathered, weight_class", [
@@ -665,7 +634,9 @@ def compare_quantised(ctx, recipe):
 ])
 def test_torchao_quantised_weights_match_upstream(recipe, gathered, weight_class, pool2):
     pytest.importorskip("torchao", reason="torchao is not installed (make test installs it)")
-    for rank, (problems, dtypes, classes) in enumerate(pool2.run(compare_quantised, recipe)):
+    for rank, (problems, upstream) in enumerate(
+            pool2.run(compare_with_upstream, train_quantised, recipe)):
+        dtypes, classes = upstream["gathered dtypes"], upstream["classes"]
         assert weight_class in classes, classes
         # The quantised bytes are what travels, not the floats they stand for.
         assert dtypes and set(dtypes) == gathered, (rank, sorted(set(dtypes)))

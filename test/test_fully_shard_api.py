@@ -46,6 +46,7 @@ from fsdp_testing import (
     mlp_batch,
     shard_lm,
     shard_stack,
+    train_mlp_steps,
     UPSTREAM_SINCE,
 )
 from torch_fsdp_ext._compat import needs_newer_torch
@@ -463,6 +464,51 @@ def check_state_dict(ctx, impl, backend):
 @pytest.mark.parametrize("ws,backend", [(1, "default"), (2, "default"), (4, "gloo")])
 def test_state_dict_round_trip(ws, backend, impl):
     get_pool(ws).run(check_state_dict, impl, backend)
+
+
+def load_assigned_and_train(ctx, impl):
+    """A model sharded on the meta device gets sharded tensors by
+    load_state_dict(assign=True) (torchtune's loading) and trains: the
+    losses and parameters, and which parameters kept the very tensors loaded
+    (upstream's keep a shard of the padded size; hidden=25 rows over 2 ranks
+    leave rank 1 a shorter one, which is padded into a tensor of its own)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    api = fsdp_api(impl)
+    torch.manual_seed(0)
+    full = MLPStack(n=2, dim=10, hidden=25).state_dict()
+    with torch.device("meta"):
+        model = MLPStack(n=2, dim=10, hidden=25)
+    shard_stack(model, api)
+    loaded = {name: nn.Parameter(distribute_tensor(full[name], meta.device_mesh, meta.placements))
+              for name, meta in model.state_dict().items()}
+    pointers = {name: param._local_tensor.data_ptr() for name, param in loaded.items()}
+    model.load_state_dict(loaded, assign=True)
+    del loaded
+    losses = train_mlp_steps(model, ctx.rank)
+    kept = sorted(name for name, param in model.named_parameters()
+                  if param._local_tensor.data_ptr() == pointers[name])
+    return losses, [p.detach().full_tensor() for p in model.parameters()], kept
+
+
+def compare_assigned_loads(ctx):
+    upstream = load_assigned_and_train(ctx, "upstream")
+    ours = load_assigned_and_train(ctx, "ours")
+    problems = [f"{what}: ours {mine} upstream {theirs}"
+                for what, mine, theirs in (("losses", ours[0], upstream[0]),
+                                           ("kept the loaded tensor", ours[2], upstream[2]))
+                if mine != theirs]
+    problems += [f"parameter {i} differs" for i, (mine, theirs)
+                 in enumerate(zip(ours[1], upstream[1])) if not torch.equal(mine, theirs)]
+    return problems, upstream[2]
+
+
+def test_load_state_dict_assign_keeps_the_loaded_shards_as_upstream():
+    for rank, (problems, kept) in enumerate(get_pool(2).run(compare_assigned_loads)):
+        # Upstream kept some loaded tensors (all on rank 0), padded others
+        # (rank 1's in_proj): the comparison covers both.
+        assert kept and (rank == 0) == (len(kept) == 10), (rank, kept)
+        assert not problems, (rank, problems)
 
 
 # --------------------------------------------------------------------------

@@ -464,14 +464,25 @@ void FsdpParam::reset_sharded_param() {
   std::vector<int64_t> padded_size = local.sizes().vec();
   const int64_t dim = shard_dim_;
   padded_size[dim] = shard_extent(orig_size_[dim], shard_world_size_, 0).padded;
+  // A local tensor of the padded size (an even shard) becomes the sharded
+  // data as it is, no copy, as upstream's: after load_state_dict(assign=True)
+  // the parameter holds the very tensors loaded. A shorter one is padded:
   // new_zeros and copy_ keep a tensor subclass's class, as upstream's do.
-  at::Tensor padded = local.new_zeros(padded_size);
-  padded.narrow(dim, 0, local.size(dim)).copy_(local);
-  if (pin_memory_) padded = padded.pin_memory();  // CPUOffloadPolicy(pin_memory=True)
+  at::Tensor padded = local;
+  if (local.sizes() != c10::IntArrayRef(padded_size)) {
+    padded = local.new_zeros(padded_size);
+    padded.narrow(dim, 0, local.size(dim)).copy_(local);
+  }
+  // CPUOffloadPolicy(pin_memory=True)
+  if (pin_memory_ && !padded.is_pinned()) padded = padded.pin_memory();
   padded_sharded_data_ = padded.view({-1});
-  at::Tensor new_local = padded.narrow(dim, 0, local.size(dim));
-  remember_subclass_local(new_local);
-  sharded_param_.attr("_local_tensor") = new_local;
+  if (padded.is_same(local)) {
+    remember_subclass_local(local);
+  } else {
+    at::Tensor new_local = padded.narrow(dim, 0, local.size(dim));
+    remember_subclass_local(new_local);
+    sharded_param_.attr("_local_tensor") = new_local;
+  }
   // A later all-gather allocates an output of the new unsharded dtype.
   clamp_dtypes();
 }

@@ -200,8 +200,10 @@ class FSDP_EXT_HIDDEN FsdpParam {
   void accumulate_sharded_grad(const at::Tensor& shard);
 
   // Re-reads the parameter from its module (load_state_dict(assign=True),
-  // Module._apply) and re-pads a local tensor that is no longer backed by the
-  // padded buffer. Meta tensors are left alone.
+  // Module._apply) and, for a local tensor no longer backed by the padded
+  // buffer, makes it the sharded data: as it is when it has the padded size
+  // (no copy, as upstream's), padded into a new tensor when shorter. Meta
+  // tensors are left alone.
   void reset_sharded_param();
 
   const std::string& fqn() const { return fqn_; }

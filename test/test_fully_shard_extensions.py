@@ -121,10 +121,16 @@ def differences(ours: dict, upstream: dict) -> list[str]:
     upstream's: "params" tensor by tensor, bit for bit; "frames" (what dynamo
     compiled) where ours compiled more; every other entry by ==."""
     problems = []
-    for key, theirs in upstream.items():
-        mine = ours[key]
+    if ours.keys() != upstream.keys():
+        problems.append(f"recorded: ours {sorted(ours)} upstream {sorted(upstream)}")
+    for key in ours.keys() & upstream.keys():
+        mine, theirs = ours[key], upstream[key]
         if key == "params":
-            problems += [f"parameter {i}: max diff {(a - b).abs().max().item():.3e}"
+            if len(mine) != len(theirs):
+                problems.append(f"{len(mine)} parameters, upstream {len(theirs)}")
+            problems += [f"parameter {i}: size {tuple(a.shape)}, upstream {tuple(b.shape)}"
+                         if a.shape != b.shape else
+                         f"parameter {i}: max diff {(a - b).abs().max().item():.3e}"
                          for i, (a, b) in enumerate(zip(mine, theirs)) if not torch.equal(a, b)]
         elif key == "frames":
             # Note [C++ hooks run outside dynamo]: dynamo must not compile
@@ -481,6 +487,7 @@ def test_torchao_float8_all_gather_matches_upstream(compiled, pool2):
     for rank, (problems, upstream) in enumerate(
             pool2.run(compare_with_upstream, train_float8, compiled)):
         gathered = upstream["gathered dtypes"]
+        assert not compiled or upstream["frames"] > 0, "nothing compiled: the test proves nothing"
         # 4 float8 weights, gathered as float8 in each forward and backward unshard.
         assert gathered and set(gathered) == {"torch.float8_e4m3fn"}, gathered
         assert not problems, (rank, problems)

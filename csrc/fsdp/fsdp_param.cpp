@@ -122,15 +122,21 @@ FsdpParam::FsdpParam(std::string fqn, std::vector<ModuleSlot> slots, py::object 
       sharded_param_(std::move(sharded_param)),
       padded_sharded_data_(std::move(padded_sharded_data)) {
   TORCH_CHECK_VALUE(!slots_.empty(), "fsdp_ext FsdpParam ", fqn_, ": no module holds it");
-  // A subclass's view(-1) is whatever the subclass makes of it: torchao's
-  // int8 training weights answer it with themselves, 2-D, and upstream keeps
-  // that (their all-gather extension gathers their own inputs).
-  TORCH_CHECK_VALUE(padded_sharded_data_.dim() == 1 || is_python_subclass(padded_sharded_data_),
-                    "fsdp_ext FsdpParam ", fqn_, ": padded sharded data must be 1-D, not ",
-                    padded_sharded_data_.sizes());
   TORCH_CHECK_VALUE(shard_dim_ >= 0 && shard_dim_ < static_cast<int64_t>(orig_size_.size()),
                     "fsdp_ext FsdpParam ", fqn_, ": shard dim ", shard_dim_, " is invalid for a ",
                     orig_size_.size(), "-D parameter");
+  // A subclass's view(-1) is whatever the subclass makes of it: torchao's
+  // int8 training weights answer it with a 2-D wrapper of their own data,
+  // which upstream keeps (their all-gather extension gathers their own
+  // inputs). Its element count must still be the padded shard's.
+  std::vector<int64_t> padded_size = orig_size_;
+  padded_size[shard_dim_] = shard_extent(orig_size_[shard_dim_], shard_world_size_, 0).padded;
+  TORCH_CHECK_VALUE(
+      (padded_sharded_data_.dim() == 1 || is_python_subclass(padded_sharded_data_)) &&
+          padded_sharded_data_.numel() == c10::multiply_integers(padded_size),
+      "fsdp_ext FsdpParam ", fqn_, ": padded sharded data must be 1-D with the ",
+      c10::multiply_integers(padded_size), " elements of a padded shard ", padded_size,
+      ", not of size ", padded_sharded_data_.sizes());
   spec_ = sharded_param_.attr("_spec");
   remember_subclass_local(unpack(sharded_param_.attr("_local_tensor")));
   capture_grad_dtype_policy(sharded_param_);
@@ -466,15 +472,17 @@ void FsdpParam::reset_sharded_param() {
   padded_size[dim] = shard_extent(orig_size_[dim], shard_world_size_, 0).padded;
   // A local tensor of the padded size (an even shard) becomes the sharded
   // data as it is, no copy, as upstream's: after load_state_dict(assign=True)
-  // the parameter holds the very tensors loaded. A shorter one is padded:
-  // new_zeros and copy_ keep a tensor subclass's class, as upstream's do.
+  // the parameter holds the very tensors loaded (and whatever storage they
+  // view, shared or larger, stays alive with them, as upstream's). A shorter
+  // one is padded: new_zeros and copy_ keep a tensor subclass's class, as
+  // upstream's do.
   at::Tensor padded = local;
   if (local.sizes() != c10::IntArrayRef(padded_size)) {
     padded = local.new_zeros(padded_size);
     padded.narrow(dim, 0, local.size(dim)).copy_(local);
   }
   // CPUOffloadPolicy(pin_memory=True)
-  if (pin_memory_ && !padded.is_pinned()) padded = padded.pin_memory();
+  if (pin_memory_ && !padded.is_pinned()) padded = padded.cpu().pin_memory();
   padded_sharded_data_ = padded.view({-1});
   if (padded.is_same(local)) {
     remember_subclass_local(local);

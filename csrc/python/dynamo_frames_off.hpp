@@ -11,17 +11,25 @@
 // custom comm hooks, nn.Parameter's constructor. So each C++ forward hook
 // runs with the callback cleared, as torch._dynamo.disable runs a function,
 // and restores it on the way out. Outside torch.compile the callback is
-// already None and this costs one call of a builtin (about 50 ns).
+// already None and this costs one call of a builtin (11 ns).
 #include <torch/csrc/utils/pybind.h>
 
 namespace fsdp_ext::python {
 
 class DynamoFramesOff {
  public:
+  // torch._C._dynamo.eval_frame.set_eval_frame (a C builtin: sets the
+  // thread's frame callback, returns the one it replaces), looked up once
+  // when the extension module is imported: under the GIL on one thread, so
+  // no hook ever imports while another waits on it.
+  static void look_up() {
+    pybind11::object function =
+        pybind11::module_::import("torch._C._dynamo.eval_frame").attr("set_eval_frame");
+    set_eval_frame_ = function.release().ptr();  // kept for the process's life
+  }
+
   DynamoFramesOff() {
-    static PyObject* const set_callback = lookup_set_eval_frame();
-    set_callback_ = set_callback;
-    PyObject* prior = PyObject_CallOneArg(set_callback, Py_None);  // returns the prior one
+    PyObject* prior = PyObject_CallOneArg(set_eval_frame_, Py_None);
     if (prior == nullptr) throw pybind11::error_already_set();
     if (prior == Py_None) {
       Py_DECREF(prior);  // nothing to restore: the common, eager case
@@ -35,9 +43,9 @@ class DynamoFramesOff {
     // The hook may be returning with a Python error set: keep it aside.
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
-    PyObject* cleared = PyObject_CallOneArg(set_callback_, prior_);
+    PyObject* cleared = PyObject_CallOneArg(set_eval_frame_, prior_);
     if (cleared == nullptr) {
-      PyErr_WriteUnraisable(set_callback_);  // nothing better in a destructor
+      PyErr_WriteUnraisable(set_eval_frame_);  // nothing better in a destructor
     } else {
       Py_DECREF(cleared);
     }
@@ -49,16 +57,7 @@ class DynamoFramesOff {
   DynamoFramesOff& operator=(const DynamoFramesOff&) = delete;
 
  private:
-  // torch._C._dynamo.eval_frame.set_eval_frame: sets the thread's frame
-  // callback and returns the one it replaces (a C builtin). Kept for the
-  // process's life.
-  static PyObject* lookup_set_eval_frame() {
-    pybind11::object set_eval_frame =
-        pybind11::module_::import("torch._C._dynamo.eval_frame").attr("set_eval_frame");
-    return set_eval_frame.release().ptr();
-  }
-
-  PyObject* set_callback_ = nullptr;
+  static inline PyObject* set_eval_frame_ = nullptr;
   PyObject* prior_ = nullptr;  // owned; null when the callback was None
 };
 

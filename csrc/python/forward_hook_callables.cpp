@@ -92,6 +92,7 @@ py::object bound(PyMethodDef* def, const py::object& capsule, const py::object& 
 }  // namespace
 
 void bind_forward_hooks(py::module_& m) {
+  DynamoFramesOff::look_up();
   m.def(
       "_fsdp_forward_hooks",
       [](const std::shared_ptr<fsdp::FsdpState>& state, py::object python_pre,

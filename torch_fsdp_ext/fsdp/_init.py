@@ -498,7 +498,7 @@ def shard_param(param: nn.Parameter, info: MeshInfo, placement: Shard, fqn: str,
     # A DTensor (tensor-parallel) parameter: FSDP shards its local tensor.
     tp_spec = param._spec if isinstance(param, DTensor) else None
     data = param._local_tensor if tp_spec is not None else param
-    chunk, start, length = _C._fsdp_shard_extent(data.shape[dim], world, rank)
+    chunk, _, length = _C._fsdp_shard_extent(data.shape[dim], world, rank)
     padded_size = list(data.shape)
     padded_size[dim] = chunk
     with torch.no_grad():

@@ -305,11 +305,15 @@ def train_subclass_weights(ctx, impl, variant):
     api = fsdp_api(impl)
     cls = _WEIGHT_CLASSES[variant]
     torch.manual_seed(0)
-    # Without hooks the hidden size is odd, so the 11-row weight's shards are
-    # padded (copied in through the subclass); the hooks return the local
+    # Without hooks the shards are uneven, so they are padded (copied in
+    # through the subclass): 11 rows over 2 ranks; over 4, 6 rows leave the
+    # last rank none (torch.chunk makes 3 pieces). The hooks return the local
     # shard unpadded, which upstream allows only where shards are even.
+    hidden = 12
+    if variant == "no_extension":
+        hidden = 6 if ctx.world_size == 4 else 11
     with torch.device("meta" if variant == "meta" else "cpu"):
-        model = MLPStack(n=2, dim=10, hidden=11 if variant == "no_extension" else 12)
+        model = MLPStack(n=2, dim=10, hidden=hidden)
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.weight = nn.Parameter(cls(module.weight.detach()))
@@ -329,7 +333,7 @@ def train_subclass_weights(ctx, impl, variant):
 
 
 @pytest.mark.parametrize("world_size,variant", [
-    (2, "extension"), (2, "no_extension"), (2, "meta"),
+    (2, "extension"), (2, "no_extension"), (2, "meta"), (4, "no_extension"),
     # One rank: nothing gathered, each shard copied into its own storage.
     (1, "extension"), (1, "no_extension")])
 def test_tensor_subclass_weights_keep_their_class_and_match_upstream(world_size, variant):

@@ -124,10 +124,11 @@ torch-suite: build $(VENV)/.test-deps
 demo: build
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/train_fsdp.py
 
-bench: build
+bench: build $(VENV)/.test-deps
 	$(PY) benchmarks/collectives.py
 	$(PY) benchmarks/fsdp_step.py
 	$(PY) benchmarks/ddp_step.py
+	$(PY) benchmarks/qlora_step.py
 
 # Rewrites docs/benchmarks.md (and its plots in docs/images/) from one run of
 # the benchmark set (benchmarks/bench_report.py): about 15 minutes on 2 idle

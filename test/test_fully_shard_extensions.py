@@ -18,6 +18,7 @@ parameters, torchao's float8 training with its float8 all-gather, and
 torchao's NF4 (QLoRA), int8 and BitNet weights.
 """
 
+import contextlib
 import functools
 import types
 
@@ -423,6 +424,26 @@ def test_extensions_on_tensor_parallel_parameters_match_upstream(pool4):
 # it): the weights are torchao's wrapper subclass, whose extension gathers
 # float8 bytes. `make test` installs torchao (without dependencies).
 
+@contextlib.contextmanager
+def recording_gathered_dtypes(weight_class):
+    """While open, the dtypes of every all-gather input that weight_class's
+    fsdp_pre_all_gather returns, recorded in the list it yields."""
+    dtypes = []
+    pre = weight_class.fsdp_pre_all_gather
+
+    @functools.wraps(pre)  # FSDP reads the hook's signature (one argument: legacy)
+    def recording_pre(self, *args, **kwargs):
+        inputs, metadata = pre(self, *args, **kwargs)
+        dtypes.extend(str(t.dtype) for t in inputs)
+        return inputs, metadata
+
+    weight_class.fsdp_pre_all_gather = recording_pre
+    try:
+        yield dtypes
+    finally:
+        weight_class.fsdp_pre_all_gather = pre
+
+
 class Float8Net(nn.Module):
     def __init__(self, dim=64):
         super().__init__()
@@ -446,17 +467,7 @@ def train_float8(ctx, impl, compiled=False):
     if compiled:
         torch._dynamo.reset()  # each implementation compiles its own graphs
         counters.clear()
-    gathered_dtypes = []
-    pre = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
-
-    @functools.wraps(pre)  # FSDP reads the hook's signature
-    def recording_pre(self, *args, **kwargs):
-        inputs, metadata = pre(self, *args, **kwargs)
-        gathered_dtypes.extend(str(t.dtype) for t in inputs)
-        return inputs, metadata
-
-    WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = recording_pre
-    try:
+    with recording_gathered_dtypes(WeightWithDynamicFloat8CastTensor) as gathered_dtypes:
         torch.manual_seed(0)
         model = Float8Net()
         convert_to_float8_training(
@@ -477,8 +488,6 @@ def train_float8(ctx, impl, compiled=False):
             optim.step()
             optim.zero_grad()
             losses.append(loss.item())
-    finally:
-        WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = pre
     params = [p.detach().full_tensor() for p in model.parameters()]
     params = [getattr(p, "_tensor", p) for p in params]  # torchao's wrapper: its data
     return {"losses": losses, "params": params, "gathered dtypes": gathered_dtypes,
@@ -578,18 +587,7 @@ def train_quantised(ctx, impl, recipe):
     from torchao.prototype import quantized_training
 
     api = fsdp_api(impl)
-    weight_class = _quantised_weight_class(recipe)
-    gathered_dtypes = []
-    pre = weight_class.fsdp_pre_all_gather
-
-    @functools.wraps(pre)  # FSDP reads the hook's signature (NF4's, BitNet's: legacy)
-    def recording_pre(self, *args, **kwargs):
-        inputs, metadata = pre(self, *args, **kwargs)
-        gathered_dtypes.extend(str(t.dtype).removeprefix("torch.") for t in inputs)
-        return inputs, metadata
-
-    weight_class.fsdp_pre_all_gather = recording_pre
-    try:
+    with recording_gathered_dtypes(_quantised_weight_class(recipe)) as gathered_dtypes:
         torch.manual_seed(0)
         if recipe == "nf4_meta_load":
             full_state = _qlora_model().state_dict()
@@ -624,8 +622,6 @@ def train_quantised(ctx, impl, recipe):
             if recipe == "bitnet":
                 quantized_training.precompute_bitnet_scale_for_fsdp(model)
             losses.append(loss.item())
-    finally:
-        weight_class.fsdp_pre_all_gather = pre
     # Each rank's shards, as the floats they stand for (int8 weights have no
     # full_tensor); NF4 weights also gathered whole, as a checkpoint saves them.
     params = [_plain_weight(p.detach()._local_tensor) for p in model.parameters()]
@@ -638,10 +634,10 @@ def train_quantised(ctx, impl, recipe):
 
 @pytest.mark.parametrize("recipe, gathered, weight_class", [
     # NF4: int8 block scalers, their float32 factors, the 4-bit codes in uint8.
-    ("nf4", {"int8", "float32", "uint8"}, "NF4Tensor"),
-    ("nf4_meta_load", {"int8", "float32", "uint8"}, "NF4Tensor"),
-    ("int8", {"int8", "float32"}, "Int8QuantizedTrainingLinearWeight"),
-    ("bitnet", {"int8"}, "BitNetTrainingLinearWeight"),
+    ("nf4", {"torch.int8", "torch.float32", "torch.uint8"}, "NF4Tensor"),
+    ("nf4_meta_load", {"torch.int8", "torch.float32", "torch.uint8"}, "NF4Tensor"),
+    ("int8", {"torch.int8", "torch.float32"}, "Int8QuantizedTrainingLinearWeight"),
+    ("bitnet", {"torch.int8"}, "BitNetTrainingLinearWeight"),
 ])
 def test_torchao_quantised_weights_match_upstream(recipe, gathered, weight_class, pool2):
     pytest.importorskip("torchao", reason="torchao is not installed (make test installs it)")

@@ -129,8 +129,7 @@ FsdpParam::FsdpParam(std::string fqn, std::vector<ModuleSlot> slots, py::object 
   // int8 training weights answer it with a 2-D wrapper of their own data,
   // which upstream keeps (their all-gather extension gathers their own
   // inputs). Its element count must still be the padded shard's.
-  std::vector<int64_t> padded_size = orig_size_;
-  padded_size[shard_dim_] = shard_extent(orig_size_[shard_dim_], shard_world_size_, 0).padded;
+  const std::vector<int64_t> padded_size = with_padded_shard_dim(orig_size_);
   TORCH_CHECK_VALUE(
       (padded_sharded_data_.dim() == 1 || is_python_subclass(padded_sharded_data_)) &&
           padded_sharded_data_.numel() == c10::multiply_integers(padded_size),
@@ -423,6 +422,11 @@ void FsdpParam::accumulate_sharded_grad(const at::Tensor& shard) {
   }
 }
 
+std::vector<int64_t> FsdpParam::with_padded_shard_dim(std::vector<int64_t> size) const {
+  size[shard_dim_] = shard_extent(orig_size_[shard_dim_], shard_world_size_, 0).padded;
+  return size;
+}
+
 void FsdpParam::remember_subclass_local(const at::Tensor& local) {
   subclass_local_.reset();
   if (is_python_subclass(local)) subclass_local_.emplace(local.getIntrusivePtr());
@@ -467,9 +471,8 @@ void FsdpParam::reset_sharded_param() {
   if (backed) return;
   TORCH_CHECK_VALUE(local.dim() >= 1 && local.is_contiguous(), "fsdp_ext ", fqn_,
                     ": the sharded local tensor must be contiguous with at least one dim");
-  std::vector<int64_t> padded_size = local.sizes().vec();
+  const std::vector<int64_t> padded_size = with_padded_shard_dim(local.sizes().vec());
   const int64_t dim = shard_dim_;
-  padded_size[dim] = shard_extent(orig_size_[dim], shard_world_size_, 0).padded;
   // A local tensor of the padded size (an even shard) becomes the sharded
   // data as it is, no copy, as upstream's: after load_state_dict(assign=True)
   // the parameter holds the very tensors loaded (and whatever storage they

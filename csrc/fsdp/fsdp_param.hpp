@@ -249,6 +249,9 @@ class FSDP_EXT_HIDDEN FsdpParam {
   // nothing (a parameter rebuilt by Module._apply lost it).
   void capture_grad_dtype_policy(const py::object& param);
   void register_on_modules(const py::object& param);
+  // `size` with the shard dim's extent a padded shard's (every rank's, the
+  // ceil of the original extent over the shard world).
+  std::vector<int64_t> with_padded_shard_dim(std::vector<int64_t> size) const;
   void remember_subclass_local(const at::Tensor& local);
   bool is_subclass_local(const at::Tensor& local) const;
   // Forgets the all-gather output and the unsharded parameter when they no

@@ -37,6 +37,7 @@ from fsdp_testing import (
     TinyLM,
     assert_params_match,
     average_grads,
+    compare_with_upstream,
     counting_comms,
     upstream_has,
     fsdp_api,
@@ -488,23 +489,14 @@ def load_assigned_and_train(ctx, impl):
     losses = train_mlp_steps(model, ctx.rank)
     kept = sorted(name for name, param in model.named_parameters()
                   if param._local_tensor.data_ptr() == pointers[name])
-    return losses, [p.detach().full_tensor() for p in model.parameters()], kept
-
-
-def compare_assigned_loads(ctx):
-    upstream = load_assigned_and_train(ctx, "upstream")
-    ours = load_assigned_and_train(ctx, "ours")
-    problems = [f"{what}: ours {mine} upstream {theirs}"
-                for what, mine, theirs in (("losses", ours[0], upstream[0]),
-                                           ("kept the loaded tensor", ours[2], upstream[2]))
-                if mine != theirs]
-    problems += [f"parameter {i} differs" for i, (mine, theirs)
-                 in enumerate(zip(ours[1], upstream[1])) if not torch.equal(mine, theirs)]
-    return problems, upstream[2]
+    return {"losses": losses, "params": [p.detach().full_tensor() for p in model.parameters()],
+            "kept the loaded tensor": kept}
 
 
 def test_load_state_dict_assign_keeps_the_loaded_shards_as_upstream():
-    for rank, (problems, kept) in enumerate(get_pool(2).run(compare_assigned_loads)):
+    for rank, (problems, upstream) in enumerate(
+            get_pool(2).run(compare_with_upstream, load_assigned_and_train)):
+        kept = upstream["kept the loaded tensor"]
         # Upstream kept some loaded tensors (all on rank 0), padded others
         # (rank 1's in_proj): the comparison covers both.
         assert kept and (rank == 0) == (len(kept) == 10), (rank, kept)

@@ -88,7 +88,8 @@ build: venv
 # Test-only packages: Lightning Fabric, whose FSDP2 strategy
 # test/test_framework_fabric.py trains with, expecttest, which torch's own
 # test helpers import (test/torch_suite/), and torchao, whose float8 training
-# test/test_fully_shard_extensions.py runs. --no-deps, each dependency named,
+# and quantised weights test/test_fully_shard_extensions.py runs (the
+# compatibility pass reads its pin from here). --no-deps, each dependency named,
 # so that pip can never pull another torch.
 # (Remade when this file changes: a new test package reaches existing venvs.)
 $(VENV)/.test-deps: $(VENV)/.installed Makefile

@@ -40,13 +40,17 @@ PYTHON=${PYTHON:-python3}
 # implementations on host tensors: this torch's ATen ops), the CUDA files
 # (collected; they skip without a GPU), the dtypes per parameter (2.15's;
 # skipped on 2.11), and all-gather extensions and tensor subclass weights
-# (torchao's case skips: torchao is installed for 2.13.0 only).
+# (torchao's float8, NF4, int8 and BitNet weights among them: each venv gets
+# the Makefile's torchao, without dependencies as `make test` installs it).
 COMPAT_TESTS=(test/test_drop_in.py test/test_fully_shard_api.py test/test_fully_shard_surface.py
               test/test_fully_shard_training.py test/test_fully_shard_runtime.py
               test/test_training.py test/test_errors.py test/test_collectives.py
               test/test_c10d_conformance.py test/test_fsdp_copy_kernels.py test/test_cuda.py
               test/test_cuda_fsdp.py test/test_fully_shard_dtypes.py
               test/test_fully_shard_extensions.py)
+# The torchao the main venv has (one pin, in the Makefile's test packages).
+TORCHAO_PIN=$(grep -o 'torchao==[0-9][0-9.]*' Makefile | head -n 1)
+[ -n "$TORCHAO_PIN" ] || { echo "compat_pass.sh: no torchao pin in the Makefile" >&2; exit 1; }
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} UCX_TLS=${UCX_TLS:-self,sm,tcp}
 export UCX_LOG_LEVEL=${UCX_LOG_LEVEL:-error}
 
@@ -76,6 +80,7 @@ copy_tree() {
 run_core_tests() {
   local venv=$1 src=$2
   "$venv/bin/python" -m pip install -q numpy pytest
+  "$venv/bin/python" -m pip install -q --no-deps "$TORCHAO_PIN"
   (cd "$src" && "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not extended" \
      "${COMPAT_TESTS[@]}")
 }

@@ -27,6 +27,10 @@ from conftest import REQUIRES_CUDA, get_pool
 
 pytestmark = REQUIRES_CUDA
 
+# Each call's limit, well inside the GPU script's step limit: a hang then
+# ends in the harness, which prints every rank's stacks, not in the script's
+# kill, which leaves only the log's last lines.
+CALL_TIMEOUT = 60.0
 SIZES = [0, 1, 3, 8191, 3 << 18]  # the last: 786432 elements, 3 MiB of fp32
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64,
           torch.uint8, torch.bool]
@@ -268,7 +272,8 @@ def check_stream_contract(ctx):
                                          (2, "staged"), (3, "staged"), (4, "auto")],
                          ids=lambda v: f"ws{v}" if isinstance(v, int) else v)
 def test_every_op_against_cpu_reference(world, route):
-    results = get_pool(world, FSDP_EXT_CUDA_PATH=route).run(check_every_op)
+    results = get_pool(world, FSDP_EXT_CUDA_PATH=route).run(check_every_op,
+                                                              timeout=CALL_TIMEOUT)
     for rank, (failures, description) in enumerate(results):
         assert not failures, (rank, description, failures)
         if route != "auto":
@@ -281,22 +286,24 @@ def test_every_op_against_cpu_reference(world, route):
 @pytest.mark.parametrize("world", [2, 3], ids=lambda n: f"ws{n}")
 @pytest.mark.parametrize("route", ["ipc", "staged"])
 def test_other_and_coalesced_ops(world, route):
-    for rank, failures in enumerate(get_pool(world, FSDP_EXT_CUDA_PATH=route).run(check_other_ops)):
+    pool = get_pool(world, FSDP_EXT_CUDA_PATH=route)
+    for rank, failures in enumerate(pool.run(check_other_ops, timeout=CALL_TIMEOUT)):
         assert not failures, (rank, failures)
 
 
 @pytest.mark.parametrize("route", ["ipc", "staged"])
 def test_stream_contract(route):
-    for rank, results in enumerate(get_pool(2, FSDP_EXT_CUDA_PATH=route).run(check_stream_contract)):
+    pool = get_pool(2, FSDP_EXT_CUDA_PATH=route)
+    for rank, results in enumerate(pool.run(check_stream_contract, timeout=CALL_TIMEOUT)):
         assert results == [True, True, True], (rank, results)
 
 
 @pytest.mark.skipif(not dist.is_nccl_available(), reason="this torch has no NCCL")
 def test_nccl_at_world_size_one():
     pool = get_pool(1, FSDP_EXT_CUDA_PATH="nccl")
-    (failures, description), = pool.run(check_every_op)
+    (failures, description), = pool.run(check_every_op, timeout=CALL_TIMEOUT)
     assert not failures and description.startswith("nccl"), (description, failures)
-    (failures,) = pool.run(check_other_ops)
+    (failures,) = pool.run(check_other_ops, timeout=CALL_TIMEOUT)
     assert not failures, failures
 
 
@@ -317,7 +324,8 @@ def check_bad_input(ctx):
 
 
 def test_bad_input_is_a_clear_error():
-    for rank, messages in enumerate(get_pool(2, FSDP_EXT_CUDA_PATH="ipc").run(check_bad_input)):
+    pool = get_pool(2, FSDP_EXT_CUDA_PATH="ipc")
+    for rank, messages in enumerate(pool.run(check_bad_input, timeout=CALL_TIMEOUT)):
         mixed, int16, bitwise = messages
         assert "ValueError" in mixed and "tensors on two devices" in mixed and "cuda:0" in mixed, mixed
         assert f"rank {rank}/2" in mixed, mixed
@@ -344,7 +352,7 @@ def check_point_to_point_first(ctx):
 
 def test_point_to_point_cannot_be_a_groups_first_cuda_op():
     for rank, message in enumerate(get_pool(3, FSDP_EXT_CUDA_PATH="auto").run(
-            check_point_to_point_first)):
+            check_point_to_point_first, timeout=CALL_TIMEOUT)):
         if rank < 2:
             assert message.startswith("NotImplementedError") and "first CUDA op" in message, message
 
@@ -379,8 +387,16 @@ def test_dead_peer_is_an_error_within_seconds(tmp_path, route):
     procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
-    out = procs[0].communicate(timeout=90)[0]
-    procs[1].communicate(timeout=30)
+    try:
+        # Start-up and the first all-reduce take seconds; the error must
+        # come within 10 s of the second: 45 s in all is a hang.
+        out = procs[0].communicate(timeout=45)[0]
+        procs[1].communicate(timeout=15)
+    finally:
+        for proc in procs:  # never left holding the GPU for the next test
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     line = out.strip().splitlines()[-1]
     assert line.startswith("DistBackendError"), out[-2000:]
     assert float(line.split(" after ")[1].split(" s")[0]) < 10, line

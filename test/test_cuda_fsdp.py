@@ -5,9 +5,9 @@ steps with Adam, and their losses and final parameters must be equal:
 - over NCCL at world size 1 (NCCL refuses two ranks on one GPU);
 - over fsdp_ext at world size 2, the two ranks sharing the one GPU (the CUDA
   path's IPC route); fp32, bf16 mixed precision, gradient accumulation
-  without sync, reshard_after_forward=False, set_post_optim_event, HSDP, and
-  with the side streams switched off (FSDP_EXT_FSDP_STREAMS=0, the
-  debugging lever);
+  without sync, reshard_after_forward=False, set_post_optim_event, HSDP
+  (also at world size 4, a 2 x 2 mesh), and with the side streams switched
+  off (FSDP_EXT_FSDP_STREAMS=0, the debugging lever);
 - the next group's all-gather overlapping the current group's compute, from
   a profiler trace (and not overlapping with the side streams off);
 - the errors a CUDA mesh adds (a process group without a CUDA backend,
@@ -35,6 +35,25 @@ STEPS = 10
 DIM = 64
 # Deterministic cuBLAS (required by torch.use_deterministic_algorithms).
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+# Each call's limit, well inside the GPU script's step limit: a hang then
+# ends in the harness, which prints every rank's stacks, not in the script's
+# kill, which leaves only the log's last lines.
+CALL_TIMEOUT = 60.0
+
+
+def pool_of(world_size):
+    """One pool per world size for the whole file (each start costs seconds
+    of the GPU run): the side-streams lever is set per task (streams_off),
+    since a root reads it at its lazy init."""
+    return get_pool(world_size, **DETERMINISTIC_ENV)
+
+
+def streams_off():
+    """FSDP_EXT_FSDP_STREAMS=0 for the rest of this task (the harness
+    restores the worker's environment after it)."""
+    import os
+
+    os.environ["FSDP_EXT_FSDP_STREAMS"] = "0"
 
 
 class Block(nn.Module):
@@ -126,10 +145,13 @@ def train(ctx, impl, mesh_kind, mixed_precision=False, accumulate=False, reshard
     return losses, params
 
 
-def compare(ctx, mesh_kind, options=None):
+def compare(ctx, mesh_kind, options=None, side_streams=True):
     """Upstream then ours in this worker: the differences, empty if none.
-    `options`: train's keyword arguments."""
+    `options`: train's keyword arguments; `side_streams` False: ours with
+    FSDP_EXT_FSDP_STREAMS=0."""
     options = options or {}
+    if not side_streams:
+        streams_off()
     upstream = train(ctx, "upstream", mesh_kind, **options)
     ours = train(ctx, "ours", mesh_kind, **options)
     problems = []
@@ -145,8 +167,8 @@ def compare(ctx, mesh_kind, options=None):
 @pytest.mark.skipif(not dist.is_nccl_available(), reason="this torch has no NCCL")
 @pytest.mark.parametrize("mixed_precision", [False, True], ids=["fp32", "bf16"])
 def test_nccl_world_size_one_matches_upstream(mixed_precision):
-    pool = get_pool(1, **DETERMINISTIC_ENV)
-    (problems,) = pool.run(compare, "nccl", {"mixed_precision": mixed_precision})
+    (problems,) = pool_of(1).run(compare, "nccl", {"mixed_precision": mixed_precision},
+                                 timeout=CALL_TIMEOUT)
     assert not problems, problems
 
 
@@ -157,22 +179,25 @@ def test_nccl_world_size_one_matches_upstream(mixed_precision):
     {"accumulate": True, "reshard": False, "post_optim_event": True},
 ], ids=["fp32", "bf16", "accumulate-no-reshard-post-optim-event"])
 def test_fsdp_ext_world_size_two_matches_upstream(options):
-    for rank, problems in enumerate(get_pool(2, **DETERMINISTIC_ENV).run(
-            compare, "fsdp_ext", options)):
+    for rank, problems in enumerate(pool_of(2).run(compare, "fsdp_ext", options,
+                                                   timeout=CALL_TIMEOUT)):
         assert not problems, (rank, problems)
 
 
-def test_hsdp_matches_upstream():
-    for rank, problems in enumerate(get_pool(2, **DETERMINISTIC_ENV).run(
-            compare, "hsdp", {"mixed_precision": True})):
+# (2, 1): replicas of one rank each, only the all-reduce; (2, 2): the
+# reduce-scatter, then the all-reduce on its own stream after it.
+@pytest.mark.parametrize("world", [2, 4], ids=["mesh2x1", "mesh2x2"])
+def test_hsdp_matches_upstream(world):
+    for rank, problems in enumerate(pool_of(world).run(
+            compare, "hsdp", {"mixed_precision": True}, timeout=CALL_TIMEOUT)):
         assert not problems, (rank, problems)
 
 
 def test_without_side_streams_matches_upstream():
     """FSDP_EXT_FSDP_STREAMS=0 (everything on the compute stream) gives the
     same bits: the streams change when work runs, never what it computes."""
-    pool = get_pool(2, FSDP_EXT_FSDP_STREAMS="0", **DETERMINISTIC_ENV)
-    for rank, problems in enumerate(pool.run(compare, "fsdp_ext")):
+    for rank, problems in enumerate(pool_of(2).run(compare, "fsdp_ext", None, False,
+                                                   timeout=CALL_TIMEOUT)):
         assert not problems, (rank, problems)
 
 
@@ -208,35 +233,44 @@ def check_errors(ctx):
 
 
 def test_errors_name_the_module_and_what_was_wrong():
-    for messages in get_pool(2).run(check_errors):
+    for messages in pool_of(2).run(check_errors, timeout=CALL_TIMEOUT):
         assert "Linear" in messages["no cuda backend"], messages
         assert "no backend for cuda tensors" in messages["no cuda backend"], messages
         assert "CPUOffloadPolicy on a cuda mesh" in messages["offload"], messages
         assert "head.weight" in messages["moved"] and "'cpu'" in messages["moved"], messages
 
 
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
 def gpu_intervals(trace_file):
-    """(name, stream, start us, end us) of every kernel and device copy in a
-    profiler chrome trace."""
+    """(category, name, stream, start us, end us) of every kernel and device
+    copy in a profiler chrome trace."""
     import json
 
     with open(trace_file) as f:
         events = json.load(f)["traceEvents"]
-    return [(e["name"], e["args"].get("stream"), e["ts"], e["ts"] + e["dur"]) for e in events
-            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    return [(e["cat"], e["name"], e["args"].get("stream"), e["ts"], e["ts"] + e["dur"])
+            for e in events if e.get("cat") in GPU_WORK and "dur" in e]
 
 
-def overlap_with_compute(ctx, impl, trace_dir):
+def overlap_with_compute(ctx, impl, trace_dir, side_streams=True):
     """One forward with a long kernel queued right after block 0's compute:
-    the GPU work that starts on another stream while it runs (block 1's
-    copy-in and all-gather, if they overlap compute as upstream's do)."""
+    the GPU work, as (category, name), that starts on another stream while
+    it runs (block 1's copy-in and all-gather, if they overlap compute as
+    upstream's do)."""
     import os
 
     from fsdp_testing import fsdp_api
     from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import ProfilerActivity, profile
 
+    if not side_streams:
+        streams_off()
     torch.cuda.set_device(0)
+    # The pool's earlier tasks (train) turned deterministic algorithms on;
+    # timing wants none of their extra fills of fresh memory.
+    torch.use_deterministic_algorithms(False)
     api = fsdp_api(impl)
     mesh = init_device_mesh("cuda", (ctx.world_size,))
     torch.manual_seed(0)
@@ -257,21 +291,27 @@ def overlap_with_compute(ctx, impl, trace_dir):
                                     f"rank{ctx.rank}.json")
     prof.export_chrome_trace(trace)
     intervals = gpu_intervals(trace)
-    sleeps = [i for i in intervals if "sleep" in i[0].lower() or "spin" in i[0].lower()]
-    assert len(sleeps) == 1, [i[0] for i in intervals]
-    _, sleep_stream, start, end = sleeps[0]
-    return sorted({name for name, stream, s, _ in intervals
+    sleeps = [i for i in intervals if "sleep" in i[1].lower() or "spin" in i[1].lower()]
+    assert len(sleeps) == 1, [i[1] for i in intervals]
+    _, _, sleep_stream, start, end = sleeps[0]
+    return sorted({(cat, name) for cat, name, stream, s, _ in intervals
                    if stream != sleep_stream and start < s < end})
 
 
 @pytest.mark.parametrize("impl", ["upstream", "ours"])
 def test_next_all_gather_overlaps_compute(impl, tmp_path):
     """Block 1's unshard runs on the all-gather streams while block 0's
-    compute (a long kernel) still runs, for ours as for upstream's; with
-    the side streams off it cannot, which shows the check can fail."""
-    for rank, overlapped in enumerate(get_pool(2).run(overlap_with_compute, impl, str(tmp_path))):
-        assert overlapped, (rank, "nothing ran beside the compute stream's long kernel")
+    compute (a long kernel) still runs, for ours as for upstream's: its
+    all-gather's copies among that work (device copies: the IPC route's
+    reads of the peer, or the staged route's), not only its copy-in; with
+    the side streams off nothing can, which shows the check can fail."""
+    pool = pool_of(2)
+    for rank, overlapped in enumerate(pool.run(overlap_with_compute, impl, str(tmp_path),
+                                               timeout=CALL_TIMEOUT)):
+        assert any(cat == "gpu_memcpy" for cat, _ in overlapped), (
+            rank, "no all-gather copy ran beside the compute stream's long kernel; beside it:",
+            overlapped)
     if impl == "ours":
-        pool = get_pool(2, FSDP_EXT_FSDP_STREAMS="0")
-        for rank, overlapped in enumerate(pool.run(overlap_with_compute, impl, str(tmp_path))):
+        for rank, overlapped in enumerate(pool.run(overlap_with_compute, impl, str(tmp_path),
+                                                   False, timeout=CALL_TIMEOUT)):
             assert not overlapped, (rank, "streams off, yet work overlapped", overlapped)

@@ -43,7 +43,10 @@ step() {
   [ "$limit" -gt "$left" ] && limit=$left
   local start=$SECONDS
   echo "== $name (limit ${limit} s)"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  # timeout signals its whole process group (the step's workers too), and
+  # kills what outlives the TERM by 10 s: nothing of a step that ran out of
+  # time shares the GPU with the next.
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   summary+=("$name: rc $rc in $((SECONDS - start)) s")
   tail -n 15 "$OUT/$name.log"
@@ -73,10 +76,13 @@ smoke_tmp=$(mktemp -d "${TMPDIR:-/tmp}/fsdp_ext_smoke_XXXXXX")
 step cpu_smoke 30 env TMPDIR="$smoke_tmp" "$(dirname "$PY")/torchrun" --standalone --nproc-per-node 2 \
   test/smoke_installed.py
 rm -rf "$smoke_tmp"
-step cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs --junitxml "$OUT/cuda_tests.xml" \
+# -v: every test's name and outcome as it ends, so a log cut by the step's
+# limit still says how far it got (each test's calls have a limit of their
+# own, well inside the step's, after which the harness prints every rank's stacks).
+step cuda_tests 150 "$PY" -m pytest -v -p no:cacheprovider -rfEs --junitxml "$OUT/cuda_tests.xml" \
   test/test_cuda.py
 # fully_shard on CUDA meshes against upstream's (issue 35).
-step cuda_fsdp_tests 110 "$PY" -m pytest -q -p no:cacheprovider -rs \
+step cuda_fsdp_tests 110 "$PY" -m pytest -v -p no:cacheprovider -rfEs \
   --junitxml "$OUT/cuda_fsdp_tests.xml" test/test_cuda_fsdp.py
 step cuda_fsdp_bench 70 "$PY" benchmarks/fsdp_step.py --device cuda --world-sizes 1,2 \
   --steps 9 --output "$OUT/fsdp_step_cuda.json"

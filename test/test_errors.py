@@ -105,6 +105,8 @@ def check_mismatched_sizes_across_ranks(ctx, base, op):
     with pytest.raises(dist.DistBackendError) as info:
         if op == "all_gather":
             dist.all_gather_into_tensor(torch.empty(numel * n), torch.ones(numel), group=group)
+        elif op == "all_reduce":
+            dist.all_reduce(torch.ones(numel), group=group)
         else:
             dist.reduce_scatter_tensor(torch.empty(numel), torch.ones(numel * n), group=group)
     dist.destroy_process_group(group)
@@ -188,6 +190,23 @@ def test_size_mismatch_between_ranks_over_shared_memory(pool2, op):
     messages = pool2.run(check_mismatched_sizes_across_ranks, 20000, op)
     for rank, message in enumerate(messages):
         assert "differ between ranks" in message and f"rank {1 - rank} has" in message, messages
+
+
+@pytest.mark.parametrize("numel", [20000, 1 << 19], ids=["staged", "process-reads"])
+def test_all_reduce_size_mismatch_is_seen_by_every_rank(pool2, numel):
+    """The all-reduce cuts each rank's tensor into blocks at its own
+    boundaries, so rank 1's block from rank 0 has the size rank 1 expects
+    although rank 0's tensor is one element longer: the headers carry the
+    tensors' sizes too, and both ranks name them (rank 1 once read rank 0's
+    buffer after rank 0 had given up on the op, and failed on its address)."""
+    messages = pool2.run(check_mismatched_sizes_across_ranks, numel, "all_reduce")
+    sizes = {0: 4 * (numel + 1), 1: 4 * numel}
+    for rank, message in enumerate(messages):
+        other = 1 - rank
+        assert message.startswith(f"fsdp_ext all_reduce (group "), message
+        assert f"rank {rank}/2" in message, message
+        assert (f"rank {other}'s tensor 0 has {sizes[other]} bytes where this rank's has "
+                f"{sizes[rank]} (tensor sizes differ between ranks)") in message, message
 
 
 def check_different_collectives(ctx):

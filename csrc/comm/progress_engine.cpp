@@ -32,7 +32,11 @@ constexpr auto kLossDrainMax = std::chrono::milliseconds(1000);
 // as it is, such an error names a pid or a UCX status, not the rank that
 // died. So an op that failed in its transport waits up to kLossGrace for a
 // watcher to report a lost peer, and then reports that loss, with the
-// transport's error after it.
+// transport's error after it. A peer that is alive but left the op (its own
+// check failed: it sent a notice, then freed the buffers this rank was
+// reading, whose reads then fail with "Bad address") is reported the same
+// way, by its notice, which says why: a notice counts at once here, without
+// the grace that lets a rank's own checks speak first.
 constexpr auto kLossGrace = std::chrono::milliseconds(200);
 
 // How often a waiting collective looks for a peer's message of another kind
@@ -331,7 +335,7 @@ void ProgressEngine::finish(EngineOp& op, const OpOutcome& outcome) {
   op.on_done = nullptr;
 }
 
-const std::string& ProgressEngine::check_peers() {
+const std::string& ProgressEngine::check_peers(bool own_transport_failed) {
   if (!peer_fault_.empty()) {
     wakeup_->take_lost_peers();  // the first fault is the one reported
     return peer_fault_;
@@ -360,7 +364,9 @@ const std::string& ProgressEngine::check_peers() {
       notice_.has_value() && std::any_of(lost.begin(), lost.end(), [&](const auto& peer) {
         return peer.rank == notice_->sender;
       });
-  const bool grace_over = notice_.has_value() && Clock::now() - notice_arrived_ >= kNoticeGrace;
+  const bool grace_over =
+      notice_.has_value() &&
+      (own_transport_failed || Clock::now() - notice_arrived_ >= kNoticeGrace);
   if (sender_gone || grace_over) {
     const FailureNotice& notice = *notice_;
     peer_fault_ = describe_peer(notice.sender) + " stopped the group after its " +
@@ -554,7 +560,7 @@ void ProgressEngine::run_op(EngineOp& op) {
   if (failure.kind == ErrorKind::kTransport && !failure.message.empty()) {
     // Note [a transport failure is often a lost peer]
     const auto until = Clock::now() + kLossGrace;
-    while (check_peers().empty() && Clock::now() < until) {
+    while (check_peers(/*own_transport_failed=*/true).empty() && Clock::now() < until) {
       wakeup_->sleep(until, /*wake_on_submit=*/false);
     }
     if (!peer_fault_.empty()) {

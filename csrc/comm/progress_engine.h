@@ -294,8 +294,10 @@ class ProgressEngine {
   // Collects peers that exited, whose endpoint failed, or that stopped the
   // group after a failure of their own (a notice); returns the message
   // describing the first ("" while every peer is well; peer_fault_kind_
-  // says which it was).
-  const std::string& check_peers();
+  // says which it was). `own_transport_failed`: this rank's op just failed
+  // in its transport, so a notice already in counts at once, without its
+  // grace (Note [a transport failure is often a lost peer]).
+  const std::string& check_peers(bool own_transport_failed = false);
   // Note [a failure told to the peers]: sends every other rank a notice of
   // this rank's failed collective `seq`, waiting briefly for it to leave.
   void tell_peers(uint64_t seq, const OpOutcome& failure);

@@ -50,6 +50,11 @@ struct SharedPiece {
   // another collective names both instead of reporting sizes that differ.
   uint32_t exchange_kind = 0;
   uint64_t process_address = 0;
+  // The size of the whole tensor the piece is cut from, where the exchange
+  // says (0: it does not). Readers compare it with their own tensor's:
+  // pieces cut at rank-dependent boundaries (the all-reduce's blocks) can
+  // have equal sizes although the tensors differ.
+  uint64_t whole_bytes = 0;
 };
 
 // Pieces placed one after another in a staging slot start on cache lines.

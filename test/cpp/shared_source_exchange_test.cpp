@@ -205,6 +205,36 @@ TEST(SharedSourceExchange, SizesThatDifferBetweenRanksAreAMismatch) {
   EXPECT_NE(outcomes[0].message.find("exchange mismatch"), std::string::npos);
 }
 
+TEST(SharedSourceExchange, WholeTensorsThatDifferAreAMismatchOnEveryRank) {
+  // The all-reduce's case: each rank offers the peer a block of its own
+  // tensor, and the blocks agree (64 bytes each way) although rank 0's
+  // tensor is 4 bytes longer. Only the tensors' sizes can tell, and both
+  // ranks see it before reading.
+  LoopbackGroup group(2);
+  std::vector<uint8_t> memory(64, 1);
+  const auto outcomes = group.run(
+      "whole mismatch",
+      [&](int r, OpContext& context) {
+        SharedSourceExchange exchange(context, *context.shared_memory(), 0);
+        exchange.offer(1 - r, {ConstSpan{memory.data(), 64}});
+        exchange.expect(1 - r, {64});
+        exchange.set_whole_bytes({r == 0 ? size_t{132} : size_t{128}});
+        exchange.exchange();
+        exchange.finish();
+      },
+      std::chrono::milliseconds(2000));
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_FALSE(outcomes[r].ok) << "rank " << r;
+    EXPECT_EQ(outcomes[r].kind, ErrorKind::kMismatch) << outcomes[r].message;
+  }
+  EXPECT_NE(outcomes[0].message.find("rank 1's tensor 0 has 128 bytes where this rank's has 132"),
+            std::string::npos)
+      << outcomes[0].message;
+  EXPECT_NE(outcomes[1].message.find("rank 0's tensor 0 has 132 bytes where this rank's has 128"),
+            std::string::npos)
+      << outcomes[1].message;
+}
+
 TEST(SharedSourceExchange, ExchangesOfDifferentCollectivesAreNamed) {
   LoopbackGroup group(2);
   std::vector<uint8_t> memory(64, 1);

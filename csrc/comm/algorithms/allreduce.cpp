@@ -101,6 +101,14 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
     inputs.offer(p, std::move(pieces));
     inputs.expect(p, std::move(sizes));
   }
+  // Each rank's blocks are cut from its own tensors, so a peer whose tensor
+  // is longer can still offer this rank a block of the expected size: the
+  // tensors' sizes are checked too, so that every rank sees the mismatch
+  // before it reads (not only the ranks whose blocks differ, while the
+  // others read buffers their owner abandons).
+  std::vector<size_t> whole_bytes;
+  for (const AllreduceMember& member : bucket) whole_bytes.push_back(member.data.bytes);
+  inputs.set_whole_bytes(whole_bytes);
   for (const AllreduceMember& member : bucket) detail::pre_scale_in_place(member.data, member.spec);
   inputs.exchange();
   for (size_t m = 0; m < bucket.size(); ++m) {
@@ -128,6 +136,7 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
     results.offer(p, reduced_blocks);
     results.expect(p, std::move(sizes));
   }
+  results.set_whole_bytes(std::move(whole_bytes));
   results.exchange();
   for (size_t m = 0; m < bucket.size(); ++m) {
     for (int p = 0; p < n; ++p) {

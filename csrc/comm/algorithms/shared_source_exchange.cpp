@@ -106,6 +106,7 @@ void SharedSourceExchange::exchange() {
       if (piece.bytes != 0) headers_out_[p][i] = located[{piece.data, piece.bytes}];
       headers_out_[p][i].bytes = piece.bytes;
       headers_out_[p][i].exchange_kind = static_cast<uint32_t>(kind_);
+      if (i < whole_bytes_.size()) headers_out_[p][i].whole_bytes = whole_bytes_[i];
     }
     requests.push_back(context_.send(p, header_step_, headers_out_[p].data(),
                                      headers_out_[p].size() * sizeof(SharedPiece)));
@@ -125,6 +126,13 @@ void SharedSourceExchange::exchange() {
                             shared_exchange_kind_name(static_cast<uint32_t>(kind_)) +
                             " (the ranks called different collectives, or the same ones in "
                             "another order)");
+      }
+      if (i < whole_bytes_.size() && piece.whole_bytes != whole_bytes_[i]) {
+        throw CommError(ErrorKind::kMismatch,
+                        context_.description() + ": rank " + std::to_string(p) + "'s tensor " +
+                            std::to_string(i) + " has " + std::to_string(piece.whole_bytes) +
+                            " bytes where this rank's has " + std::to_string(whole_bytes_[i]) +
+                            " (tensor sizes differ between ranks)");
       }
       if (piece.bytes != expected_[p][i]) {
         throw CommError(ErrorKind::kMismatch,

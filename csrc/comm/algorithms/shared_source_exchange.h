@@ -69,6 +69,12 @@ class SharedSourceExchange {
 
   void offer(int peer, std::vector<ConstSpan> pieces);
   void expect(int peer, std::vector<size_t> piece_bytes);
+  // The sizes of the tensors this rank's pieces are cut from, the same for
+  // what it offers and what it expects (piece i of every peer comes from
+  // tensor i). Set, every reader checks that the owner's tensors have the
+  // same sizes as its own before it reads anything: a mismatch of the
+  // tensors is then seen by every rank, also where the pieces agree.
+  void set_whole_bytes(std::vector<size_t> whole_bytes) { whole_bytes_ = std::move(whole_bytes); }
 
   void exchange();
   // Start of `peer`'s piece `index` (valid until finish()); null if empty
@@ -111,6 +117,7 @@ class SharedSourceExchange {
   std::vector<bool> offered_;
   std::vector<std::vector<size_t>> expected_;
   std::vector<bool> expecting_;
+  std::vector<size_t> whole_bytes_;  // empty: not checked
   std::vector<std::vector<SharedPiece>> headers_out_;
   std::vector<std::vector<SharedPiece>> headers_in_;
   std::vector<std::vector<const char*>> sources_;

@@ -209,6 +209,40 @@ def test_all_reduce_size_mismatch_is_seen_by_every_rank(pool2, numel):
                 f"{sizes[rank]} (tensor sizes differ between ranks)") in message, message
 
 
+def check_mismatched_reductions(ctx, op):
+    """Sizes that agree, reductions that do not: rank 0 reduces bfloat16
+    where rank 1 reduces float16 (all_reduce), or averages where rank 1 sums
+    (reduce_scatter); 1 MiB per rank, through shared memory."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=10))
+    numel = 1 << 19
+    with pytest.raises(dist.DistBackendError) as info:
+        if op == "all_reduce":
+            dtype = torch.bfloat16 if ctx.rank == 0 else torch.float16
+            dist.all_reduce(torch.ones(numel, dtype=dtype), group=group)
+        else:
+            reduce_op = dist.ReduceOp.AVG if ctx.rank == 0 else dist.ReduceOp.SUM
+            dist.reduce_scatter_tensor(torch.empty(numel), torch.ones(numel * ctx.world_size),
+                                       op=reduce_op, group=group)
+    dist.destroy_process_group(group)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("op,reductions", [
+    ("all_reduce", {0: "bfloat16 SUM", 1: "float16 SUM"}),
+    ("reduce_scatter", {0: "float32 AVG", 1: "float32 SUM"}),
+])
+def test_reductions_that_differ_between_ranks_are_named(pool2, op, reductions):
+    """Every size agrees, so only the reduction can tell: each rank names the
+    other's dtype and op and its own, instead of combining the bytes each in
+    its own way."""
+    for rank, message in enumerate(pool2.run(check_mismatched_reductions, op)):
+        other = 1 - rank
+        assert f"rank {rank}/2" in message, message
+        assert (f"rank {other} reduces tensor 0 as {reductions[other]} where this rank reduces "
+                f"it as {reductions[rank]} (the ranks' dtypes or reduce ops differ)") in message, \
+            message
+
+
 def check_different_collectives(ctx):
     """Rank 0 all-reduces where rank 1 all-gathers, 1 MiB each (above the
     small-op channel: through shared memory)."""

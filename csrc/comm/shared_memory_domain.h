@@ -55,6 +55,13 @@ struct SharedPiece {
   // pieces cut at rank-dependent boundaries (the all-reduce's blocks) can
   // have equal sizes although the tensors differ.
   uint64_t whole_bytes = 0;
+  // The reduction the piece is an input of, where the exchange says (0:
+  // it does not): reduction_code() of its dtype and op. Readers compare it
+  // with their own: ranks that reduce different dtypes of the same size, or
+  // with different ops, agree on every size and would combine the bytes
+  // each in its own way.
+  uint32_t reduction = 0;
+  uint32_t reserved = 0;
 };
 
 // Pieces placed one after another in a staging slot start on cache lines.

@@ -11,6 +11,7 @@
 
 #include "comm/algorithms/shared_source_exchange.h"
 #include "comm/error.h"
+#include "comm/reduce_spec.h"
 #include "loopback_group.h"
 
 namespace fsdp_ext::comm {
@@ -231,6 +232,64 @@ TEST(SharedSourceExchange, WholeTensorsThatDifferAreAMismatchOnEveryRank) {
             std::string::npos)
       << outcomes[0].message;
   EXPECT_NE(outcomes[1].message.find("rank 0's tensor 0 has 132 bytes where this rank's has 128"),
+            std::string::npos)
+      << outcomes[1].message;
+}
+
+TEST(SharedSourceExchange, ReductionsThatDifferAreAMismatchOnEveryRank) {
+  // Every size agrees: rank 0 sums float32, rank 1 int32 (tensor 0), and
+  // rank 0 averages where rank 1 sums (tensor 1). The first difference is
+  // reported, on both ranks.
+  LoopbackGroup group(2);
+  std::vector<uint8_t> memory(64, 1);
+  const auto outcomes = group.run(
+      "reduction mismatch",
+      [&](int r, OpContext& context) {
+        SharedSourceExchange exchange(context, *context.shared_memory(), 0);
+        exchange.offer(1 - r, {ConstSpan{memory.data(), 32}, ConstSpan{memory.data() + 32, 32}});
+        exchange.expect(1 - r, {32, 32});
+        ReduceSpec first, second;
+        first.type = r == 0 ? DataType::kFloat32 : DataType::kInt32;
+        second.post_divisor = r == 0 ? 2.0 : 1.0;
+        exchange.set_reductions({first, second});
+        exchange.exchange();
+        exchange.finish();
+      },
+      std::chrono::milliseconds(2000));
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_FALSE(outcomes[r].ok) << "rank " << r;
+    EXPECT_EQ(outcomes[r].kind, ErrorKind::kMismatch) << outcomes[r].message;
+  }
+  EXPECT_NE(outcomes[0].message.find("rank 1 reduces tensor 0 as int32 SUM where this rank "
+                                     "reduces it as float32 SUM (the ranks' dtypes or reduce ops "
+                                     "differ)"),
+            std::string::npos)
+      << outcomes[0].message;
+  EXPECT_NE(outcomes[1].message.find("rank 0 reduces tensor 0 as float32 SUM where this rank "
+                                     "reduces it as int32 SUM"),
+            std::string::npos)
+      << outcomes[1].message;
+}
+
+TEST(SharedSourceExchange, AveragingAgainstSummingIsAMismatch) {
+  LoopbackGroup group(2);
+  std::vector<uint8_t> memory(64, 1);
+  const auto outcomes = group.run(
+      "average mismatch",
+      [&](int r, OpContext& context) {
+        SharedSourceExchange exchange(context, *context.shared_memory(), 0);
+        exchange.offer(1 - r, {ConstSpan{memory.data(), 64}});
+        exchange.expect(1 - r, {64});
+        ReduceSpec spec;
+        spec.post_divisor = r == 0 ? 2.0 : 1.0;
+        exchange.set_reductions({spec});
+        exchange.exchange();
+        exchange.finish();
+      },
+      std::chrono::milliseconds(2000));
+  ASSERT_FALSE(outcomes[1].ok);
+  EXPECT_NE(outcomes[1].message.find("rank 0 reduces tensor 0 as float32 AVG where this rank "
+                                     "reduces it as float32 SUM"),
             std::string::npos)
       << outcomes[1].message;
 }

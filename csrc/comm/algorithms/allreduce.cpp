@@ -105,10 +105,17 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
   // is longer can still offer this rank a block of the expected size: the
   // tensors' sizes are checked too, so that every rank sees the mismatch
   // before it reads (not only the ranks whose blocks differ, while the
-  // others read buffers their owner abandons).
+  // others read buffers their owner abandons). And their reductions: a
+  // dtype of the same size (bf16 against fp16), another op or AVG against
+  // SUM agree on every size.
   std::vector<size_t> whole_bytes;
-  for (const AllreduceMember& member : bucket) whole_bytes.push_back(member.data.bytes);
+  std::vector<ReduceSpec> reductions;
+  for (const AllreduceMember& member : bucket) {
+    whole_bytes.push_back(member.data.bytes);
+    reductions.push_back(member.spec);
+  }
   inputs.set_whole_bytes(whole_bytes);
+  inputs.set_reductions(reductions);
   for (const AllreduceMember& member : bucket) detail::pre_scale_in_place(member.data, member.spec);
   inputs.exchange();
   for (size_t m = 0; m < bucket.size(); ++m) {

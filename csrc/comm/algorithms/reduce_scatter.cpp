@@ -177,6 +177,11 @@ void reduce_scatter_shared(OpContext& context, SharedMemoryDomain& domain,
     exchange.offer(p, std::move(pieces));
     exchange.expect(p, std::move(sizes));
   }
+  // Every size agrees where the ranks reduce different dtypes of one size
+  // or with different ops: the reductions are checked too.
+  std::vector<ReduceSpec> reductions;
+  for (const ReduceScatterMember& member : bucket) reductions.push_back(member.spec);
+  exchange.set_reductions(reductions);
   exchange.exchange();
   // Own contribution first (so an output that aliases it is read before it
   // is written), then the peers' in rank order.

@@ -13,7 +13,26 @@ namespace {
 // Pieces read as process memory arrive this much at a time (a multiple of
 // every element size, small enough to stay in L2 while reduced).
 constexpr size_t kReduceChunkBytes = 256 << 10;
+
+// A reduction as the headers carry it (SharedPiece::reduction; never 0):
+// the dtype, the op, and whether the result is divided (AVG).
+constexpr uint32_t kAveragedBit = 1u << 16;
+uint32_t reduction_code(const ReduceSpec& spec) {
+  return (static_cast<uint32_t>(spec.type) + 1) | (static_cast<uint32_t>(spec.kind) + 1) << 8 |
+         (spec.post_divisor != 1.0 ? kAveragedBit : 0);
+}
+
+std::string describe_reduction(uint32_t code) {
+  const auto type = static_cast<DataType>((code & 0xff) - 1);
+  const auto kind = static_cast<ReduceKind>(((code >> 8) & 0xff) - 1);
+  return std::string(data_type_name(type)) + " " +
+         ((code & kAveragedBit) ? "AVG" : reduce_kind_name(kind));
+}
 }  // namespace
+
+void SharedSourceExchange::set_reductions(const std::vector<ReduceSpec>& specs) {
+  reductions_ = specs;
+}
 
 const char* shared_exchange_kind_name(uint32_t kind) {
   switch (static_cast<SharedExchangeKind>(kind)) {
@@ -107,6 +126,7 @@ void SharedSourceExchange::exchange() {
       headers_out_[p][i].bytes = piece.bytes;
       headers_out_[p][i].exchange_kind = static_cast<uint32_t>(kind_);
       if (i < whole_bytes_.size()) headers_out_[p][i].whole_bytes = whole_bytes_[i];
+      if (i < reductions_.size()) headers_out_[p][i].reduction = reduction_code(reductions_[i]);
     }
     requests.push_back(context_.send(p, header_step_, headers_out_[p].data(),
                                      headers_out_[p].size() * sizeof(SharedPiece)));
@@ -126,6 +146,16 @@ void SharedSourceExchange::exchange() {
                             shared_exchange_kind_name(static_cast<uint32_t>(kind_)) +
                             " (the ranks called different collectives, or the same ones in "
                             "another order)");
+      }
+      if (i < reductions_.size() && piece.reduction != reduction_code(reductions_[i])) {
+        const std::string theirs =
+            piece.reduction == 0 ? "no reduction" : describe_reduction(piece.reduction);
+        throw CommError(ErrorKind::kMismatch,
+                        context_.description() + ": rank " + std::to_string(p) +
+                            " reduces tensor " + std::to_string(i) + " as " + theirs +
+                            " where this rank reduces it as " +
+                            describe_reduction(reduction_code(reductions_[i])) +
+                            " (the ranks' dtypes or reduce ops differ)");
       }
       if (i < whole_bytes_.size() && piece.whole_bytes != whole_bytes_[i]) {
         throw CommError(ErrorKind::kMismatch,

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "comm/algorithms/algorithms.h"
+#include "comm/reduce_spec.h"
 #include "comm/shared_memory_domain.h"
 
 namespace fsdp_ext::comm {
@@ -75,6 +76,10 @@ class SharedSourceExchange {
   // same sizes as its own before it reads anything: a mismatch of the
   // tensors is then seen by every rank, also where the pieces agree.
   void set_whole_bytes(std::vector<size_t> whole_bytes) { whole_bytes_ = std::move(whole_bytes); }
+  // The reductions the pieces feed, one per tensor as for set_whole_bytes:
+  // every reader checks that the owner reduces the same dtype with the same
+  // op (AVG apart from SUM; PREMUL_SUM's factor may differ by rank).
+  void set_reductions(const std::vector<ReduceSpec>& specs);
 
   void exchange();
   // Start of `peer`'s piece `index` (valid until finish()); null if empty
@@ -118,6 +123,7 @@ class SharedSourceExchange {
   std::vector<std::vector<size_t>> expected_;
   std::vector<bool> expecting_;
   std::vector<size_t> whole_bytes_;  // empty: not checked
+  std::vector<ReduceSpec> reductions_;  // empty: not checked
   std::vector<std::vector<SharedPiece>> headers_out_;
   std::vector<std::vector<SharedPiece>> headers_in_;
   std::vector<std::vector<const char*>> sources_;

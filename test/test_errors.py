@@ -664,6 +664,58 @@ def test_peer_in_another_pid_namespace_is_another_host(tmp_path):
     assert "is gone" in error, error
 
 
+SEND_THEN_EXIT_SCRIPT = textwrap.dedent("""
+    import datetime, os, time, torch, torch.distributed as dist
+    import torch_fsdp_ext
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("fsdp_ext", timeout=datetime.timedelta(seconds=60))
+    dist.barrier()
+    if rank == 0:
+        dist.send(torch.full((5,), 7.0), dst=1, tag=1)
+        os._exit(0)  # its send completed: gone without a word
+    time.sleep(1.5)  # rank 0's exit is seen by now: the group is broken
+    got = torch.zeros(5)
+    dist.recv(got, src=0, tag=1)
+    print("RECEIVED", got.tolist(), flush=True)
+    for name, call in (("recv", lambda: dist.recv(torch.zeros(5), src=0, tag=2)),
+                       ("all_reduce", lambda: dist.all_reduce(torch.ones(3)))):
+        start = time.monotonic()
+        try:
+            call()
+            print(f"NO ERROR {name}", flush=True)
+        except dist.DistBackendError as error:
+            print(f"ERROR {name} after {time.monotonic() - start:.2f}s: {error}", flush=True)
+""")
+
+
+def test_a_message_sent_before_the_sender_exited_is_received(tmp_path):
+    """Note [what a lost peer sent still arrives]: rank 0 sends, then exits.
+    Its send completed, so rank 1's receive for it gets the data, as gloo's
+    does, although the exit broke the group; a receive for a message never
+    sent fails at once naming the exit, and collectives are refused."""
+    script = tmp_path / "send_then_exit.py"
+    script.write_text(SEND_THEN_EXIT_SCRIPT)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(28400 + os.getpid() % 1000),
+               WORLD_SIZE="2", UCX_NET_DEVICES="lo", UCX_TLS="self,sm,tcp", UCX_LOG_LEVEL="error")
+    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(rank)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    try:
+        out1, err1 = procs[1].communicate(timeout=90)
+        procs[0].communicate(timeout=10)
+    finally:
+        for proc in procs:
+            proc.kill()
+    lines = out1.strip().splitlines()
+    assert "RECEIVED [7.0, 7.0, 7.0, 7.0, 7.0]" in lines, (out1, err1[-2000:])
+    recv = next(line for line in lines if line.startswith("ERROR recv"))
+    assert float(recv.split(" after ")[1].split("s:")[0]) < 5, recv
+    assert "fsdp_ext recv (group '0', rank 1/2)" in recv and "rank 0 (host " in recv, recv
+    assert "exited" in recv, recv
+    reduce = next(line for line in lines if line.startswith("ERROR all_reduce"))
+    assert "unusable after an earlier failure" in reduce and "exited" in reduce, reduce
+
+
 def check_group_created_by_one_rank_only(ctx):
     """Rank 0 creates an fsdp_ext group (timeout 2 s) that rank 1 never
     creates: rank 0 gets an error of the group's creation, within about the

@@ -183,6 +183,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::enqueue(
   op.name = label.op;
   op.kind = collective_kind_of(label.op);
   op.collective = collective;
+  op.receive_only = type == c10d::OpType::RECV || type == c10d::OpType::RECVANYSOURCE;
   op.timeout = timeout;
   op.body = std::move(body);
   op.keepalive = std::make_shared<std::vector<at::Tensor>>(std::move(keep_alive));

@@ -518,7 +518,18 @@ void ProgressEngine::run_op(EngineOp& op) {
     return finish(op, failure);
   }
   const std::string broken = broken_reason();
-  if (!broken.empty()) {
+  // Note [what a lost peer sent still arrives]
+  // A peer that sent a message and then exited (or stopped the group after
+  // a failure of its own) completed that send: the message is here, or on
+  // its way, and gloo hands it to the receive that comes for it. So a
+  // receive still runs on a group that a peer's loss or notice broke: one
+  // that matches what arrived completes; any other fails in its wait, at
+  // once, with the peer's fault (after draining what is still in flight,
+  // drain_after_loss). Collectives stay refused (their tags would no longer
+  // line up), and so do sends (UCX may complete a small send to a dead peer
+  // locally) and everything after a failure of this rank's own.
+  const bool peer_broke_it = !broken.empty() && broken == peer_fault_;
+  if (!broken.empty() && !(op.receive_only && peer_broke_it)) {
     // A lost or failed peer as the first failure keeps its kind; a failure
     // of this rank's own (and faults seen after it) reads as kBroken.
     failure.kind = broken == peer_fault_ ? peer_fault_kind_ : ErrorKind::kBroken;

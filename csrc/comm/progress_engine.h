@@ -78,6 +78,9 @@ struct EngineOp {
   // The op runs in the small-op channel, not over UCX messages (it is not
   // announced there: see SmallOpChannel::announce_engine_collective).
   bool small_op = false;
+  // A point-to-point receive: it still runs after a peer was lost or
+  // stopped the group (Note [what a lost peer sent still arrives]).
+  bool receive_only = false;
 };
 
 // Who a peer is, for error messages and dead-peer detection.

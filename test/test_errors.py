@@ -716,6 +716,46 @@ def test_a_message_sent_before_the_sender_exited_is_received(tmp_path):
     assert "unusable after an earlier failure" in reduce and "exited" in reduce, reduce
 
 
+def check_peer_destroyed_the_group(ctx, numel):
+    """Rank 0 runs one all-reduce on a group and a send, then destroys the
+    group; rank 1 runs the same, then one all-reduce more (uneven data: one
+    step more), and receives what rank 0 sent. Returns rank 1's error and
+    how long it took, and what it received."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=60))
+    dist.all_reduce(torch.ones(numel), group=group)
+    outcome = None
+    if ctx.rank == 0:
+        dist.send(torch.full((3,), 5.0), dst=1, group=group)
+        dist.destroy_process_group(group)
+    else:
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(numel), group=group)
+            outcome = ("no error", time.monotonic() - start)
+        except dist.DistBackendError as error:
+            outcome = (str(error), time.monotonic() - start)
+        got = torch.zeros(3)
+        dist.recv(got, src=0, group=group)
+        outcome += (got.tolist(),)
+        dist.destroy_process_group(group)
+    dist.barrier(group=ctx.gloo_group)
+    return outcome
+
+
+@pytest.mark.parametrize("numel", [4, 1 << 18], ids=["small-op-channel", "1MiB"])
+def test_a_collective_after_the_peer_destroyed_the_group_fails_at_once(pool2, numel):
+    """Note [a peer that destroyed the group]: rank 1's one collective more
+    fails within a second, naming rank 0 and the collectives' numbers,
+    instead of waiting out the group's 60 s timeout; what rank 0 sent before
+    it destroyed the group is still received."""
+    message, seconds, received = pool2.run(check_peer_destroyed_the_group, numel)[1]
+    assert seconds < 5, (seconds, message)
+    assert message.startswith("fsdp_ext all_reduce (group ") and "rank 1/2" in message, message
+    assert "rank 0 (host " in message and "destroyed this group" in message, message
+    assert "uneven data" in message, message
+    assert received == [5.0, 5.0, 5.0], received
+
+
 def check_group_created_by_one_rank_only(ctx):
     """Rank 0 creates an fsdp_ext group (timeout 2 s) that rank 1 never
     creates: rank 0 gets an error of the group's creation, within about the

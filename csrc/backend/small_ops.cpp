@@ -95,7 +95,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::run_small(
     failure.ok = false;
     failure.kind = error.kind();
     failure.message = engine_->describe_op(label.op, turn.seq()) + ": " + error.what();
-    turn.fail(failure.message);
+    turn.fail(failure.message, failure.kind);
     work->complete(failure);
     return work;
   }

@@ -14,6 +14,7 @@ const char* error_kind_name(ErrorKind kind) {
     case ErrorKind::kPeerLost: return "peer lost";
     case ErrorKind::kDevice: return "device error";
     case ErrorKind::kPeerFailed: return "peer failed";
+    case ErrorKind::kPeerLeft: return "peer left";
   }
   return "unknown";
 }

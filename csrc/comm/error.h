@@ -19,7 +19,10 @@ enum class ErrorKind {
   kPeerLost,   // a peer process exited or its connection failed
   kDevice,     // a CUDA runtime call failed (csrc/device)
   kPeerFailed, // a peer's collective failed and it stopped the group (its
-               // failure notice: comm/failure_notice.h); keep this last
+               // failure notice: comm/failure_notice.h)
+  kPeerLeft,   // a peer destroyed the group after its last collective, and
+               // this rank's collective comes after that one (its departure
+               // notice: Note [a peer that destroyed the group]); keep this last
 };
 
 const char* error_kind_name(ErrorKind kind);

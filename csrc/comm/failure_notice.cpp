@@ -34,7 +34,7 @@ bool decode_failure_notice(const uint8_t* bytes, size_t length, FailureNotice* n
   Header header{};
   if (length < sizeof(Header)) return false;
   std::memcpy(&header, bytes, sizeof(Header));
-  if (header.magic != kMagic || header.kind > static_cast<uint32_t>(ErrorKind::kPeerFailed)) {
+  if (header.magic != kMagic || header.kind > static_cast<uint32_t>(ErrorKind::kPeerLeft)) {
     return false;
   }
   notice->seq = header.seq;

@@ -206,8 +206,8 @@ void ProgressEngine::Turn::release(EngineOp* rest) {
   if (nudge) engine.wakeup_->notify_submitted();
 }
 
-void ProgressEngine::Turn::fail(const std::string& message) {
-  if (engine_ != nullptr) engine_->mark_broken(message);
+void ProgressEngine::Turn::fail(const std::string& message, ErrorKind kind) {
+  if (engine_ != nullptr) engine_->mark_broken(message, is_peer_fault(kind));
   release(nullptr);
 }
 
@@ -226,11 +226,12 @@ std::string ProgressEngine::broken_reason() const {
   return broken_reason_;
 }
 
-void ProgressEngine::mark_broken(const std::string& reason) {
+void ProgressEngine::mark_broken(const std::string& reason, bool by_peer) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!broken_reason_.empty()) return;
     broken_reason_ = reason;
+    broken_by_peer_ = by_peer;
   }
   // Note [a peer that stopped] (small_op_channel.h): peers waiting for this
   // rank in the channel learn it now rather than at their timeout.
@@ -354,11 +355,18 @@ const std::string& ProgressEngine::check_peers(bool own_transport_failed) {
     for (int round = 0; round < 16 && transport_->progress() > 0; ++round) {
     }
   }
-  if (!notice_.has_value()) {
-    if (FailureNotice notice; notices_.poll(*transport_, &notice)) {
-      notice_ = std::move(notice);
-      notice_arrived_ = Clock::now();
+  while (!notice_.has_value()) {
+    FailureNotice notice;
+    if (!notices_.poll(*transport_, &notice)) break;
+    if (notice.kind == ErrorKind::kPeerLeft) {
+      // Not a failure: the peer's collectives up to notice.seq stand
+      // (departed_before). Posted again, so that later notices come in too.
+      departed_.emplace(notice.sender, notice.seq);
+      notices_.start(*transport_);
+      continue;
     }
+    notice_ = std::move(notice);
+    notice_arrived_ = Clock::now();
   }
   const bool sender_gone =
       notice_.has_value() && std::any_of(lost.begin(), lost.end(), [&](const auto& peer) {
@@ -373,7 +381,7 @@ const std::string& ProgressEngine::check_peers(bool own_transport_failed) {
                   (notice.seq != 0 ? "op #" + std::to_string(notice.seq) : std::string("op")) +
                   " failed there: " + notice.message;
     peer_fault_kind_ = ErrorKind::kPeerFailed;
-    mark_broken(peer_fault_);
+    mark_broken(peer_fault_, /*by_peer=*/true);
     return peer_fault_;
   }
   std::vector<std::string> losses;
@@ -384,9 +392,63 @@ const std::string& ProgressEngine::check_peers(bool own_transport_failed) {
     peer_fault_ = losses.front();
     for (size_t i = 1; i < losses.size(); ++i) peer_fault_ += "; " + losses[i];
     peer_fault_kind_ = ErrorKind::kPeerLost;
-    mark_broken(peer_fault_);
+    mark_broken(peer_fault_, /*by_peer=*/true);
   }
   return peer_fault_;
+}
+
+// Note [a peer that destroyed the group]
+// A rank that destroys a group (destroy_process_group, or the group's end)
+// while a peer still calls collectives on it leaves that peer waiting for
+// the timeout (30 minutes by default): the classic case is uneven data, one
+// rank out of batches and done while another runs one more step. Its
+// process is alive, so no watcher sees a loss. So a clean shutdown tells the
+// peers, with a departure notice (the failure notice's form, kind
+// kPeerLeft) carrying the last collective it ran, and marks its small-op
+// channel as departed. A peer's collectives up to that one still complete
+// (the departed rank took part: its messages are sent); a later one fails
+// at once, naming the rank that left and the two collectives' numbers.
+// Notices go only to the peers this rank has endpoints to, those it
+// exchanged messages with (no connections are made at shutdown); the rank
+// that fails first tells the others with its failure notice. Receives
+// still take what the departed rank sent (Note [what a lost peer sent
+// still arrives]).
+void ProgressEngine::announce_departure() {
+  if (config_.small_ops) config_.small_ops->mark_departed();
+  auto payload = std::make_shared<std::vector<uint8_t>>(
+      encode_failure_notice(sequences_used(), ErrorKind::kPeerLeft, ""));
+  std::vector<Request> sends;
+  for (int peer : transport_->connected_peers()) {
+    if (peer == config_.rank) continue;
+    Request request;
+    try {
+      transport_->post_send(request, peer, tag::failure_notice(config_.rank), payload->data(),
+                            payload->size());
+    } catch (const std::exception&) {
+      continue;  // its endpoint failed: that peer is gone or going
+    }
+    sends.push_back(request);
+  }
+  flush_notices(sends, payload);
+}
+
+const std::string& ProgressEngine::departed_before(uint64_t seq) {
+  static const std::string kNone;
+  if (!peer_fault_.empty() || departed_.empty() || seq == 0) return kNone;
+  for (const auto& [peer, last] : departed_) {
+    if (last >= seq) continue;
+    peer_fault_ = describe_peer(peer) + " destroyed this group (destroy_process_group, or the "
+                  "group's end there) after " +
+                  (last == 0 ? std::string("running none of its collectives")
+                             : "the group's collective #" + std::to_string(last)) +
+                  "; collective #" + std::to_string(seq) +
+                  " will never be run there (a rank that called more collectives than that "
+                  "one, e.g. one more step on uneven data?)";
+    peer_fault_kind_ = ErrorKind::kPeerLeft;
+    mark_broken(peer_fault_, /*by_peer=*/true);
+    return peer_fault_;
+  }
+  return kNone;
 }
 
 void ProgressEngine::tell_peers(uint64_t seq, const OpOutcome& failure) {
@@ -404,6 +466,11 @@ void ProgressEngine::tell_peers(uint64_t seq, const OpOutcome& failure) {
     }
     sends.push_back(request);
   }
+  flush_notices(sends, payload);
+}
+
+void ProgressEngine::flush_notices(std::vector<Request>& sends,
+                                   const std::shared_ptr<std::vector<uint8_t>>& payload) {
   const auto until = Clock::now() + kNoticeFlush;
   for (;;) {
     transport_->progress();
@@ -490,6 +557,8 @@ void ProgressEngine::thread_main() {
     if (stopping) {
       // Drained: cancel what can never complete now, then leave.
       poll_in_flight(/*cancel_all=*/true);
+      // Note [a peer that destroyed the group]
+      if (!aborting_ && broken_reason().empty()) announce_departure();
       std::vector<Request> inbox{notices_.take_pending()};
       orphan_unfinished(inbox, nullptr, false);
       return;
@@ -517,7 +586,13 @@ void ProgressEngine::run_op(EngineOp& op) {
     failure.message = description + ": aborted (" + abort_reason_ + ")";
     return finish(op, failure);
   }
-  const std::string broken = broken_reason();
+  std::string broken;
+  bool broken_by_peer = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    broken = broken_reason_;
+    broken_by_peer = broken_by_peer_;
+  }
   // Note [what a lost peer sent still arrives]
   // A peer that sent a message and then exited (or stopped the group after
   // a failure of its own) completed that send: the message is here, or on
@@ -528,7 +603,15 @@ void ProgressEngine::run_op(EngineOp& op) {
   // drain_after_loss). Collectives stay refused (their tags would no longer
   // line up), and so do sends (UCX may complete a small send to a dead peer
   // locally) and everything after a failure of this rank's own.
-  const bool peer_broke_it = !broken.empty() && broken == peer_fault_;
+  const bool peer_broke_it = !broken.empty() && broken_by_peer;
+  if (broken.empty() && op.collective) {
+    check_peers();  // a departure notice that came in while idle
+    if (const std::string& departed = departed_before(seq); !departed.empty()) {
+      failure.kind = ErrorKind::kPeerLeft;
+      failure.message = description + ": " + departed;
+      return finish(op, failure);
+    }
+  }
   if (!broken.empty() && !(op.receive_only && peer_broke_it)) {
     // A lost or failed peer as the first failure keeps its kind; a failure
     // of this rank's own (and faults seen after it) reads as kBroken.
@@ -588,7 +671,7 @@ void ProgressEngine::run_op(EngineOp& op) {
   if (!failure.message.empty()) {
     // Peers may still be inside this op: later tags would no longer line up.
     if (op.collective) {
-      mark_broken(failure.message);
+      mark_broken(failure.message, is_peer_fault(failure.kind));
       // Note [a failure told to the peers]: not for a peer's loss or notice
       // (each rank sees those itself) nor for an abort (this rank's choice).
       const ErrorKind kind = failure.kind;
@@ -739,6 +822,9 @@ void ProgressEngine::wait_for(const std::string& description, Clock::time_point 
         orphan_unfinished(requests, running_ ? running_->keepalive : nullptr, true);
         check_finished_request(failed, description);
       }
+    }
+    if (running_ && running_->collective && !departed_before(running_seq_).empty()) {
+      fail(ErrorKind::kPeerLeft, description + ": " + peer_fault_);
     }
     if (!check_peers().empty()) {
       // What the lost peer sent before it went may still be on its way (its

@@ -26,6 +26,7 @@
 #include <chrono>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -183,7 +184,7 @@ class ProgressEngine {
     void hand_over(EngineOp rest) { release(&rest); }
     // Ends the turn after the op failed in a way peers may not share:
     // the group is unusable from now on, as after any failed collective.
-    void fail(const std::string& message);
+    void fail(const std::string& message, ErrorKind kind = ErrorKind::kBroken);
 
    private:
     friend class ProgressEngine;
@@ -279,7 +280,14 @@ class ProgressEngine {
   bool poll_in_flight(bool cancel_all);
   void orphan_unfinished(std::vector<Request>& requests,
                          std::shared_ptr<void> keepalive, bool scratch_in_use);
-  void mark_broken(const std::string& reason);
+  // `by_peer`: the first failure is a peer's (lost, failed, departed), not
+  // this rank's own: receives still run (Note [what a lost peer sent still
+  // arrives]).
+  void mark_broken(const std::string& reason, bool by_peer = false);
+  static bool is_peer_fault(ErrorKind kind) {
+    return kind == ErrorKind::kPeerLost || kind == ErrorKind::kPeerFailed ||
+           kind == ErrorKind::kPeerLeft;
+  }
   // Sleep policy while nothing progresses: spin briefly, then arm the
   // worker and sleep until `until` (in short slices while requests are
   // pending). While a stream makes progress at a known cadence longer than
@@ -301,6 +309,17 @@ class ProgressEngine {
   // in its transport, so a notice already in counts at once, without its
   // grace (Note [a transport failure is often a lost peer]).
   const std::string& check_peers(bool own_transport_failed = false);
+  // Note [a peer that destroyed the group]: "" unless a peer that destroyed
+  // the group ran its last collective before collective `seq`; then that
+  // peer's departure, which also becomes the group's peer fault.
+  const std::string& departed_before(uint64_t seq);
+  // Tells the peers this rank has endpoints to that it destroys the group
+  // after its last collective (a clean shutdown only).
+  void announce_departure();
+  // Progresses `sends` (notices) for at most kNoticeFlush; what has not
+  // left by then is orphaned with its payload.
+  void flush_notices(std::vector<Request>& sends,
+                     const std::shared_ptr<std::vector<uint8_t>>& payload);
   // Note [a failure told to the peers]: sends every other rank a notice of
   // this rank's failed collective `seq`, waiting briefly for it to leave.
   void tell_peers(uint64_t seq, const OpOutcome& failure);
@@ -317,6 +336,7 @@ class ProgressEngine {
   mutable std::mutex mutex_;
   std::deque<EngineOp> queue_;
   std::string broken_reason_;
+  bool broken_by_peer_ = false;  // with broken_reason_, under mutex_
   bool stop_requested_ = false;
   bool op_running_ = false;  // the progress thread runs an op whose outcome is not known yet
   bool turn_taken_ = false;  // a caller holds the Turn
@@ -333,6 +353,9 @@ class ProgressEngine {
   std::string peer_fault_;
   ErrorKind peer_fault_kind_ = ErrorKind::kPeerLost;
   FailureNoticeInbox notices_;
+  // Peers that destroyed the group, with the last collective each ran
+  // (Note [a peer that destroyed the group]); progress thread only.
+  std::map<int, uint64_t> departed_;
   // The first notice received, until its grace has passed (kNoticeGrace).
   std::optional<FailureNotice> notice_;
   Clock::time_point notice_arrived_;

@@ -25,7 +25,9 @@ constexpr size_t kArrivedOffset = 0;
 constexpr size_t kSleepersOffset = 4;
 constexpr size_t kChannelSeqOffset = 8;  // uint64: collective number of the last published op
 constexpr size_t kEngineSeqOffset = 16;  // uint64: the last collective begun over UCX
-constexpr size_t kStoppedOffset = 24;    // uint32: 1 once this rank's group failed
+constexpr size_t kStoppedOffset = 24;    // uint32: kStopped or kDeparted, 0 while neither
+constexpr uint32_t kStopped = 1;         // this rank's group failed (or was aborted)
+constexpr uint32_t kDeparted = 2;        // this rank destroyed the group (a clean shutdown)
 constexpr size_t kHeaderLine = 64;
 struct SlotHeader {
   uint32_t op_number;
@@ -203,15 +205,21 @@ void SmallOpChannel::wait(const ChannelWait& wait) const {
     // whose message says more.
     for (int peer : absent) {
       if (has_stopped(peer)) {
-        throw CommError(ErrorKind::kBroken,
+        const bool departed = has_departed(peer);
+        throw CommError(departed ? ErrorKind::kPeerLeft : ErrorKind::kBroken,
                         wait.description + ": " +
                             (wait.describe_peer ? wait.describe_peer(peer)
                                                 : "rank " + std::to_string(peer)) +
                             " has not published its part of " + describe_small_op(kind_of(rank_)) +
                             " (small-op channel, exchange " + std::to_string(op_number_) +
-                            "): that rank has stopped taking part in this group (an earlier failure "
-                            "or an abort there; its own error says which), so this op cannot "
-                            "complete");
+                            (departed
+                                 ? "): that rank destroyed this group (destroy_process_group, or "
+                                   "the group's end there) before this collective (a rank that "
+                                   "called more collectives than it, e.g. one more step on "
+                                   "uneven data?), so this op cannot complete"
+                                 : "): that rank has stopped taking part in this group (an "
+                                   "earlier failure or an abort there; its own error says "
+                                   "which), so this op cannot complete"));
       }
     }
     // Sleep on the first absent peer; the others are looked at when it wakes.
@@ -231,9 +239,15 @@ void SmallOpChannel::wait(const ChannelWait& wait) const {
   }
 }
 
-void SmallOpChannel::mark_stopped() {
+void SmallOpChannel::mark_stopped() { mark(kStopped); }
+
+void SmallOpChannel::mark_departed() { mark(kDeparted); }
+
+void SmallOpChannel::mark(uint32_t how) {
   char* region = regions_[rank_];
-  word_at(region, kStoppedOffset).store(1, std::memory_order_seq_cst);
+  // The first says why: a failure then a shutdown stays a failure.
+  uint32_t none = 0;
+  word_at(region, kStoppedOffset).compare_exchange_strong(none, how, std::memory_order_seq_cst);
   // Peers may sleep on `arrived`, which will not move again: wake them so
   // that they look at `stopped` now rather than at their next slice.
   if (word_at(region, kSleepersOffset).load(std::memory_order_seq_cst) != 0) {
@@ -243,6 +257,10 @@ void SmallOpChannel::mark_stopped() {
 
 bool SmallOpChannel::has_stopped(int peer) const {
   return word_at(regions_[peer], kStoppedOffset).load(std::memory_order_acquire) != 0;
+}
+
+bool SmallOpChannel::has_departed(int peer) const {
+  return word_at(regions_[peer], kStoppedOffset).load(std::memory_order_acquire) == kDeparted;
 }
 
 std::string SmallOpChannel::out_of_step(int peer) const {

@@ -150,6 +150,10 @@ class SmallOpChannel {
   // This rank will publish no more (its group failed): peers waiting for it
   // fail at once (Note [a peer that stopped]). Any thread; idempotent.
   void mark_stopped();
+  // The same at a clean shutdown (Note [a peer that destroyed the group],
+  // progress_engine.cpp): its published parts stand, a peer waiting for a
+  // later one fails at once, told that the rank destroyed the group.
+  void mark_departed();
 
   // Note [a size that straddles the channel's limit]: ranks whose sizes
   // differ around kMaxBytes disagree on the path, one waiting in the channel
@@ -170,8 +174,10 @@ class SmallOpChannel {
   char* slot(int rank, uint32_t op_number) const;
   // Whether `peer` has published the current op.
   bool has_arrived(int peer) const;
-  // Whether `peer` marked itself stopped.
+  // Whether `peer` marked itself stopped (or departed).
   bool has_stopped(int peer) const;
+  bool has_departed(int peer) const;
+  void mark(uint32_t how);
 
   int rank_;
   int size_;

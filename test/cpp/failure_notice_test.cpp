@@ -24,10 +24,11 @@ TEST(FailureNotice, RoundTripsItsFields) {
 }
 
 TEST(FailureNotice, AnEmptyMessageAndTheLastKindRoundTrip) {
-  const std::vector<uint8_t> bytes = encode_failure_notice(0, ErrorKind::kPeerFailed, "");
+  // A departure notice (Note [a peer that destroyed the group]) has no text.
+  const std::vector<uint8_t> bytes = encode_failure_notice(0, ErrorKind::kPeerLeft, "");
   FailureNotice notice;
   ASSERT_TRUE(decode_failure_notice(bytes.data(), bytes.size(), &notice));
-  EXPECT_EQ(notice.kind, ErrorKind::kPeerFailed);
+  EXPECT_EQ(notice.kind, ErrorKind::kPeerLeft);
   EXPECT_EQ(notice.message, "");
 }
 

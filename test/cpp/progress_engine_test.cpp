@@ -33,6 +33,29 @@ bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
 
+TEST(ProgressEngine, ACollectiveAfterAPeerDestroyedTheGroupFailsAtOnce) {
+  // Note [a peer that destroyed the group]: rank 0 shuts its engine down
+  // after two collectives; rank 1's second still completes (rank 0 took
+  // part), its third fails at once, not at its 20 s timeout.
+  LoopbackGroup group(2);
+  std::vector<std::vector<float>> data(2, std::vector<float>(1024, 1.0f));
+  group.run_ok("allreduce", allreduce_of(data));
+  auto second = group.submit(0, "allreduce", allreduce_of(data));
+  auto waiting = group.submit(1, "allreduce", allreduce_of(data), milliseconds(20000));
+  EXPECT_TRUE(LoopbackGroup::await(second, milliseconds(20000)).ok);
+  group.engine(0).shutdown();
+  EXPECT_TRUE(LoopbackGroup::await(waiting, milliseconds(20000)).ok);
+  const auto start = Clock::now();
+  auto third = group.submit(1, "allreduce", allreduce_of(data), milliseconds(20000));
+  const OpOutcome outcome = LoopbackGroup::await(third, milliseconds(20000));
+  EXPECT_LT(Clock::now() - start, milliseconds(5000));
+  ASSERT_FALSE(outcome.ok);
+  EXPECT_EQ(outcome.kind, ErrorKind::kPeerLeft) << outcome.message;
+  EXPECT_TRUE(contains(outcome.message, "destroyed this group")) << outcome.message;
+  EXPECT_TRUE(contains(outcome.message, "after the group's collective #2; collective #3"))
+      << outcome.message;
+}
+
 TEST(ProgressEngine, ACollectiveAPeerNeverJoinsTimesOutAndBreaksTheGroup) {
   LoopbackGroup group(3);
   std::vector<std::vector<float>> data(3, std::vector<float>(16, 1.0f));

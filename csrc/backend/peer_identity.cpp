@@ -56,7 +56,7 @@ namespace {
 constexpr uint64_t kIdentityMagic = 0x74786570'64736631ull;  // "1fsdpext", little-endian
 // Raise it with any change to what ranks exchange: this record, the tag
 // layout (comm/tag_scheme.h), message or shared-memory header layouts.
-constexpr uint32_t kWireFormat = 2;
+constexpr uint32_t kWireFormat = 3;
 }  // namespace
 
 std::string this_host() {

@@ -374,7 +374,7 @@ const std::string& ProgressEngine::check_peers(bool own_transport_failed) {
       });
   const bool grace_over =
       notice_.has_value() &&
-      (own_transport_failed || Clock::now() - notice_arrived_ >= kNoticeGrace);
+      ((own_transport_failed && lost.empty()) || Clock::now() - notice_arrived_ >= kNoticeGrace);
   if (sender_gone || grace_over) {
     const FailureNotice& notice = *notice_;
     peer_fault_ = describe_peer(notice.sender) + " stopped the group after its " +
@@ -415,11 +415,12 @@ const std::string& ProgressEngine::check_peers(bool own_transport_failed) {
 // still arrives]).
 void ProgressEngine::announce_departure() {
   if (config_.small_ops) config_.small_ops->mark_departed();
+  check_peers();  // departure notices already in: those peers are not told
   auto payload = std::make_shared<std::vector<uint8_t>>(
       encode_failure_notice(sequences_used(), ErrorKind::kPeerLeft, ""));
   std::vector<Request> sends;
   for (int peer : transport_->connected_peers()) {
-    if (peer == config_.rank) continue;
+    if (peer == config_.rank || departed_.count(peer) != 0) continue;
     Request request;
     try {
       transport_->post_send(request, peer, tag::failure_notice(config_.rank), payload->data(),
@@ -452,8 +453,11 @@ const std::string& ProgressEngine::departed_before(uint64_t seq) {
 }
 
 void ProgressEngine::tell_peers(uint64_t seq, const OpOutcome& failure) {
+  // A collective that failed because a peer departed is a failure to the
+  // ranks told of it (kPeerLeft on the wire is a departure: it would not fail them).
+  const ErrorKind kind = failure.kind == ErrorKind::kPeerLeft ? ErrorKind::kPeerFailed : failure.kind;
   auto payload = std::make_shared<std::vector<uint8_t>>(
-      encode_failure_notice(seq, failure.kind, failure.message));
+      encode_failure_notice(seq, kind, failure.message));
   std::vector<Request> sends;
   for (int peer = 0; peer < config_.size; ++peer) {
     if (peer == config_.rank) continue;
@@ -609,6 +613,9 @@ void ProgressEngine::run_op(EngineOp& op) {
     if (const std::string& departed = departed_before(seq); !departed.empty()) {
       failure.kind = ErrorKind::kPeerLeft;
       failure.message = description + ": " + departed;
+      // The ranks without an endpoint to the departed one got no notice of
+      // it: they learn it from this rank's (Note [a peer that destroyed the group]).
+      tell_peers(seq, failure);
       return finish(op, failure);
     }
   }
@@ -720,6 +727,20 @@ bool ProgressEngine::poll_in_flight(bool cancel_all) {
         outcome.kind = error.kind();
         outcome.message = error.what();
       }
+    } else if (!cancel_all && !aborting_ && !peer_fault_.empty() && entry.op.receive_only &&
+               !drained_for_receives_) {
+      // Note [what a lost peer sent still arrives]: what the peer sent may
+      // still be on its way (in a socket when its exit was seen). Once per
+      // fault, as wait_for does for collectives; then this entry again.
+      drained_for_receives_ = true;
+      drain_after_loss(*transport_, [&] {
+        bool done = true;
+        for (Request& request : entry.requests) {
+          if (!transport_->test(request)) done = false;
+        }
+        return done;
+      });
+      continue;
     } else if (cancel_all || aborting_ || !peer_fault_.empty() || now >= entry.deadline) {
       outcome.ok = false;
       if (cancel_all || aborting_) {

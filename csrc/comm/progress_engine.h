@@ -356,6 +356,9 @@ class ProgressEngine {
   // Peers that destroyed the group, with the last collective each ran
   // (Note [a peer that destroyed the group]); progress thread only.
   std::map<int, uint64_t> departed_;
+  // Whether receives in flight had their one drain after the peer fault
+  // (poll_in_flight); progress thread only.
+  bool drained_for_receives_ = false;
   // The first notice received, until its grace has passed (kNoticeGrace).
   std::optional<FailureNotice> notice_;
   Clock::time_point notice_arrived_;

@@ -204,7 +204,11 @@ void SmallOpChannel::wait(const ChannelWait& wait) const {
     // Note [a peer that stopped] (the header); after the straddle check,
     // whose message says more.
     for (int peer : absent) {
-      if (has_stopped(peer)) {
+      // Seen stopped, then looked at again: a peer that published this op
+      // (its last) and departed since `absent` was taken took part. Its
+      // `arrived` is stored before `stopped`, so the load that saw the
+      // latter sees the former.
+      if (has_stopped(peer) && !has_arrived(peer)) {
         const bool departed = has_departed(peer);
         throw CommError(departed ? ErrorKind::kPeerLeft : ErrorKind::kBroken,
                         wait.description + ": " +

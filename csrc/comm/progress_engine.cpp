@@ -416,21 +416,11 @@ const std::string& ProgressEngine::check_peers(bool own_transport_failed) {
 void ProgressEngine::announce_departure() {
   if (config_.small_ops) config_.small_ops->mark_departed();
   check_peers();  // departure notices already in: those peers are not told
-  auto payload = std::make_shared<std::vector<uint8_t>>(
-      encode_failure_notice(sequences_used(), ErrorKind::kPeerLeft, ""));
-  std::vector<Request> sends;
+  std::vector<int> peers;
   for (int peer : transport_->connected_peers()) {
-    if (peer == config_.rank || departed_.count(peer) != 0) continue;
-    Request request;
-    try {
-      transport_->post_send(request, peer, tag::failure_notice(config_.rank), payload->data(),
-                            payload->size());
-    } catch (const std::exception&) {
-      continue;  // its endpoint failed: that peer is gone or going
-    }
-    sends.push_back(request);
+    if (peer != config_.rank && departed_.count(peer) == 0) peers.push_back(peer);
   }
-  flush_notices(sends, payload);
+  send_notice(peers, encode_failure_notice(sequences_used(), ErrorKind::kPeerLeft, ""));
 }
 
 const std::string& ProgressEngine::departed_before(uint64_t seq) {
@@ -455,12 +445,19 @@ const std::string& ProgressEngine::departed_before(uint64_t seq) {
 void ProgressEngine::tell_peers(uint64_t seq, const OpOutcome& failure) {
   // A collective that failed because a peer departed is a failure to the
   // ranks told of it (kPeerLeft on the wire is a departure: it would not fail them).
-  const ErrorKind kind = failure.kind == ErrorKind::kPeerLeft ? ErrorKind::kPeerFailed : failure.kind;
-  auto payload = std::make_shared<std::vector<uint8_t>>(
-      encode_failure_notice(seq, kind, failure.message));
-  std::vector<Request> sends;
+  const ErrorKind kind =
+      failure.kind == ErrorKind::kPeerLeft ? ErrorKind::kPeerFailed : failure.kind;
+  std::vector<int> peers;
   for (int peer = 0; peer < config_.size; ++peer) {
-    if (peer == config_.rank) continue;
+    if (peer != config_.rank) peers.push_back(peer);
+  }
+  send_notice(peers, encode_failure_notice(seq, kind, failure.message));
+}
+
+void ProgressEngine::send_notice(const std::vector<int>& peers, std::vector<uint8_t> notice) {
+  auto payload = std::make_shared<std::vector<uint8_t>>(std::move(notice));
+  std::vector<Request> sends;
+  for (int peer : peers) {
     Request request;
     try {
       transport_->post_send(request, peer, tag::failure_notice(config_.rank), payload->data(),
@@ -470,23 +467,23 @@ void ProgressEngine::tell_peers(uint64_t seq, const OpOutcome& failure) {
     }
     sends.push_back(request);
   }
-  flush_notices(sends, payload);
-}
-
-void ProgressEngine::flush_notices(std::vector<Request>& sends,
-                                   const std::shared_ptr<std::vector<uint8_t>>& payload) {
   const auto until = Clock::now() + kNoticeFlush;
   for (;;) {
     transport_->progress();
-    bool all_done = true;
-    for (Request& request : sends) {
-      if (!transport_->test(request)) all_done = false;
-    }
-    if (all_done || Clock::now() >= until) break;
+    if (test_all(sends) || Clock::now() >= until) break;
     std::this_thread::yield();
   }
   // What has not left yet may still: the payload stays with it.
   orphan_unfinished(sends, payload, false);
+}
+
+bool ProgressEngine::test_all(std::vector<Request>& requests) {
+  bool all_done = true;
+  // Every one is tested (each test updates the request), not only up to the first pending.
+  for (Request& request : requests) {
+    if (!transport_->test(request)) all_done = false;
+  }
+  return all_done;
 }
 
 ProgressEngine::IdleState ProgressEngine::fresh_idle_state(bool progressed) {
@@ -709,10 +706,7 @@ bool ProgressEngine::poll_in_flight(bool cancel_all) {
   const auto now = Clock::now();
   for (size_t i = 0; i < in_flight_.size();) {
     InFlight& entry = in_flight_[i];
-    bool all_done = true;
-    for (Request& request : entry.requests) {
-      if (!transport_->test(request)) all_done = false;
-    }
+    const bool all_done = test_all(entry.requests);
     OpOutcome outcome;
     if (all_done) {
       try {
@@ -733,13 +727,7 @@ bool ProgressEngine::poll_in_flight(bool cancel_all) {
       // still be on its way (in a socket when its exit was seen). Once per
       // fault, as wait_for does for collectives; then this entry again.
       drained_for_receives_ = true;
-      drain_after_loss(*transport_, [&] {
-        bool done = true;
-        for (Request& request : entry.requests) {
-          if (!transport_->test(request)) done = false;
-        }
-        return done;
-      });
+      drain_after_loss(*transport_, [&] { return test_all(entry.requests); });
       continue;
     } else if (cancel_all || aborting_ || !peer_fault_.empty() || now >= entry.deadline) {
       outcome.ok = false;
@@ -789,11 +777,7 @@ void ProgressEngine::orphan_unfinished(std::vector<Request>& requests,
   for (Request& request : requests) transport_->cancel(request);
   for (int round = 0; round < 100; ++round) {
     transport_->progress();
-    bool all_done = true;
-    for (Request& request : requests) {
-      if (!transport_->test(request)) all_done = false;
-    }
-    if (all_done) return;
+    if (test_all(requests)) return;
   }
   Orphan orphan;
   for (Request& request : requests) {
@@ -818,11 +802,7 @@ void ProgressEngine::wait_for(const std::string& description, Clock::time_point 
                               std::vector<Request>& requests, size_t only) {
   auto finished = [&] {
     if (only != kAllRequests) return transport_->test(requests[only]);
-    bool all_done = true;
-    for (Request& request : requests) {
-      if (!transport_->test(request)) all_done = false;
-    }
-    return all_done;
+    return test_all(requests);
   };
   auto fail = [&](ErrorKind kind, const std::string& message) {
     orphan_unfinished(requests, running_ ? running_->keepalive : nullptr, true);

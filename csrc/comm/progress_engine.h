@@ -316,10 +316,12 @@ class ProgressEngine {
   // Tells the peers this rank has endpoints to that it destroys the group
   // after its last collective (a clean shutdown only).
   void announce_departure();
-  // Progresses `sends` (notices) for at most kNoticeFlush; what has not
-  // left by then is orphaned with its payload.
-  void flush_notices(std::vector<Request>& sends,
-                     const std::shared_ptr<std::vector<uint8_t>>& payload);
+  // Sends `notice` (encode_failure_notice) to each of `peers`, waiting at
+  // most kNoticeFlush for it to leave; what has not left by then is
+  // orphaned with its payload. Failure and departure notices alike.
+  void send_notice(const std::vector<int>& peers, std::vector<uint8_t> notice);
+  // Tests every request; whether all have finished.
+  bool test_all(std::vector<Request>& requests);
   // Note [a failure told to the peers]: sends every other rank a notice of
   // this rank's failed collective `seq`, waiting briefly for it to leave.
   void tell_peers(uint64_t seq, const OpOutcome& failure);

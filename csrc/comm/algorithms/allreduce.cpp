@@ -115,7 +115,7 @@ void allreduce_shared(OpContext& context, SharedMemoryDomain& domain,
     reductions.push_back(member.spec);
   }
   inputs.set_whole_bytes(whole_bytes);
-  inputs.set_reductions(reductions);
+  inputs.set_reductions(std::move(reductions));
   for (const AllreduceMember& member : bucket) detail::pre_scale_in_place(member.data, member.spec);
   inputs.exchange();
   for (size_t m = 0; m < bucket.size(); ++m) {

@@ -181,7 +181,7 @@ void reduce_scatter_shared(OpContext& context, SharedMemoryDomain& domain,
   // or with different ops: the reductions are checked too.
   std::vector<ReduceSpec> reductions;
   for (const ReduceScatterMember& member : bucket) reductions.push_back(member.spec);
-  exchange.set_reductions(reductions);
+  exchange.set_reductions(std::move(reductions));
   exchange.exchange();
   // Own contribution first (so an output that aliases it is read before it
   // is written), then the peers' in rank order.

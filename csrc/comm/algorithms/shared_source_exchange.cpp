@@ -30,10 +30,6 @@ std::string describe_reduction(uint32_t code) {
 }
 }  // namespace
 
-void SharedSourceExchange::set_reductions(const std::vector<ReduceSpec>& specs) {
-  reductions_ = specs;
-}
-
 const char* shared_exchange_kind_name(uint32_t kind) {
   switch (static_cast<SharedExchangeKind>(kind)) {
     case SharedExchangeKind::kUnnamed: return "an unnamed exchange";

@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "comm/algorithms/algorithms.h"
@@ -79,7 +80,7 @@ class SharedSourceExchange {
   // The reductions the pieces feed, one per tensor as for set_whole_bytes:
   // every reader checks that the owner reduces the same dtype with the same
   // op (AVG apart from SUM; PREMUL_SUM's factor may differ by rank).
-  void set_reductions(const std::vector<ReduceSpec>& specs);
+  void set_reductions(std::vector<ReduceSpec> specs) { reductions_ = std::move(specs); }
 
   void exchange();
   // Start of `peer`'s piece `index` (valid until finish()); null if empty

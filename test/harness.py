@@ -16,6 +16,8 @@ import faulthandler
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -168,3 +170,27 @@ class WorkerPool:
     @property
     def alive(self):
         return all(p.is_alive() for p in self._procs)
+
+
+def run_script_ranks(script, master_port, first, timeout, world_size=2):
+    """Runs `script` as ranks 0..world_size-1 of its own job (env:// on
+    loopback, UCX over lo): waits up to `timeout` s for rank `first`, then
+    10 s for each other rank, and kills whatever is left, so that no rank
+    outlives a failed test. Returns [(returncode, stdout, stderr)] by rank
+    (None, "", "" for a rank that was killed before it answered)."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
+               WORLD_SIZE=str(world_size), UCX_NET_DEVICES="lo", UCX_TLS="self,sm,tcp",
+               UCX_LOG_LEVEL="error")
+    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(rank)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(world_size)]
+    results = [(None, "", "")] * world_size
+    try:
+        order = [first] + [rank for rank in range(world_size) if rank != first]
+        for rank in order:
+            out, err = procs[rank].communicate(timeout=timeout if rank == first else 10)
+            results[rank] = (procs[rank].returncode, out, err)
+    finally:
+        for proc in procs:
+            proc.kill()
+    return results

@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness import run_script_ranks
+
 
 def expect_error(exc_type, fragments, fn):
     with pytest.raises(exc_type) as info:
@@ -695,17 +697,7 @@ def test_a_message_sent_before_the_sender_exited_is_received(tmp_path):
     sent fails at once naming the exit, and collectives are refused."""
     script = tmp_path / "send_then_exit.py"
     script.write_text(SEND_THEN_EXIT_SCRIPT)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(28400 + os.getpid() % 1000),
-               WORLD_SIZE="2", UCX_NET_DEVICES="lo", UCX_TLS="self,sm,tcp", UCX_LOG_LEVEL="error")
-    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(rank)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
-    try:
-        out1, err1 = procs[1].communicate(timeout=90)
-        procs[0].communicate(timeout=10)
-    finally:
-        for proc in procs:
-            proc.kill()
+    _, (_, out1, err1) = run_script_ranks(script, 28400 + os.getpid() % 1000, first=1, timeout=90)
     lines = out1.strip().splitlines()
     assert "RECEIVED [7.0, 7.0, 7.0, 7.0, 7.0]" in lines, (out1, err1[-2000:])
     recv = next(line for line in lines if line.startswith("ERROR recv"))

@@ -9,8 +9,6 @@ errors, timeouts, dead peers and leaks.
 
 import datetime
 import os
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -19,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import get_pool
+from harness import run_script_ranks
 from reference import DTYPES, assert_equal, expected_reduction, make_input, ops_for, reduce_op
 
 CPU = torch.device("cpu")
@@ -411,19 +410,10 @@ DEAD_PEER_SCRIPT = textwrap.dedent("""
 def test_dead_peer_is_an_error_within_seconds(tmp_path):
     script = tmp_path / "dead_peer.py"
     script.write_text(DEAD_PEER_SCRIPT)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
-               WORLD_SIZE="2", UCX_NET_DEVICES="lo", UCX_TLS="self,sm,tcp", UCX_LOG_LEVEL="error")
-    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    try:
-        out0, err0 = procs[0].communicate(timeout=50)
-        procs[1].communicate(timeout=10)
-    finally:
-        for proc in procs:
-            proc.kill()
-    assert procs[0].returncode == 0, err0[-2000:]
-    assert procs[1].returncode == 3
+    (code0, out0, err0), (code1, _, _) = run_script_ranks(
+        script, 29500 + os.getpid() % 1000, first=0, timeout=50)
+    assert code0 == 0, err0[-2000:]
+    assert code1 == 3
     line = out0.strip().splitlines()[-1]
     seconds = float(line.split("ERROR after ")[1].split("s:")[0])
     assert seconds < 10, line

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "comm/algorithms/shared_source_exchange.h"
@@ -184,19 +185,29 @@ TEST(SharedSourceExchange, ReducePiecesAllStagedWithoutProcessReads) {
   reduce_pieces_of_every_kind(false);
 }
 
-TEST(SharedSourceExchange, SizesThatDifferBetweenRanksAreAMismatch) {
+// Two ranks, one exchange each: `configure(r, exchange)` offers, expects and
+// sets what the case compares; then the exchange and its finish run.
+template <typename Configure>
+std::vector<OpOutcome> exchange_outcomes(const std::string& name, Configure configure) {
   LoopbackGroup group(2);
-  std::vector<uint8_t> memory(64, 1);
-  const auto outcomes = group.run(
-      "exchange mismatch",
+  return group.run(
+      name,
       [&](int r, OpContext& context) {
         SharedSourceExchange exchange(context, *context.shared_memory(), 0);
-        exchange.offer(1 - r, {ConstSpan{memory.data(), r == 0 ? size_t{64} : size_t{63}}});
-        exchange.expect(1 - r, {64});
+        configure(r, exchange);
         exchange.exchange();
         exchange.finish();
       },
       std::chrono::milliseconds(2000));
+}
+
+TEST(SharedSourceExchange, SizesThatDifferBetweenRanksAreAMismatch) {
+  std::vector<uint8_t> memory(64, 1);
+  const auto outcomes =
+      exchange_outcomes("exchange mismatch", [&](int r, SharedSourceExchange& exchange) {
+        exchange.offer(1 - r, {ConstSpan{memory.data(), r == 0 ? size_t{64} : size_t{63}}});
+        exchange.expect(1 - r, {64});
+      });
   // Rank 0 expected 64 bytes from rank 1, which offered 63.
   ASSERT_FALSE(outcomes[0].ok);
   EXPECT_EQ(outcomes[0].kind, ErrorKind::kMismatch);
@@ -211,19 +222,13 @@ TEST(SharedSourceExchange, WholeTensorsThatDifferAreAMismatchOnEveryRank) {
   // tensor, and the blocks agree (64 bytes each way) although rank 0's
   // tensor is 4 bytes longer. Only the tensors' sizes can tell, and both
   // ranks see it before reading.
-  LoopbackGroup group(2);
   std::vector<uint8_t> memory(64, 1);
-  const auto outcomes = group.run(
-      "whole mismatch",
-      [&](int r, OpContext& context) {
-        SharedSourceExchange exchange(context, *context.shared_memory(), 0);
+  const auto outcomes =
+      exchange_outcomes("whole mismatch", [&](int r, SharedSourceExchange& exchange) {
         exchange.offer(1 - r, {ConstSpan{memory.data(), 64}});
         exchange.expect(1 - r, {64});
         exchange.set_whole_bytes({r == 0 ? size_t{132} : size_t{128}});
-        exchange.exchange();
-        exchange.finish();
-      },
-      std::chrono::milliseconds(2000));
+      });
   for (int r = 0; r < 2; ++r) {
     ASSERT_FALSE(outcomes[r].ok) << "rank " << r;
     EXPECT_EQ(outcomes[r].kind, ErrorKind::kMismatch) << outcomes[r].message;
@@ -240,22 +245,16 @@ TEST(SharedSourceExchange, ReductionsThatDifferAreAMismatchOnEveryRank) {
   // Every size agrees: rank 0 sums float32, rank 1 int32 (tensor 0), and
   // rank 0 averages where rank 1 sums (tensor 1). The first difference is
   // reported, on both ranks.
-  LoopbackGroup group(2);
   std::vector<uint8_t> memory(64, 1);
-  const auto outcomes = group.run(
-      "reduction mismatch",
-      [&](int r, OpContext& context) {
-        SharedSourceExchange exchange(context, *context.shared_memory(), 0);
+  const auto outcomes =
+      exchange_outcomes("reduction mismatch", [&](int r, SharedSourceExchange& exchange) {
         exchange.offer(1 - r, {ConstSpan{memory.data(), 32}, ConstSpan{memory.data() + 32, 32}});
         exchange.expect(1 - r, {32, 32});
         ReduceSpec first, second;
         first.type = r == 0 ? DataType::kFloat32 : DataType::kInt32;
         second.post_divisor = r == 0 ? 2.0 : 1.0;
         exchange.set_reductions({first, second});
-        exchange.exchange();
-        exchange.finish();
-      },
-      std::chrono::milliseconds(2000));
+      });
   for (int r = 0; r < 2; ++r) {
     ASSERT_FALSE(outcomes[r].ok) << "rank " << r;
     EXPECT_EQ(outcomes[r].kind, ErrorKind::kMismatch) << outcomes[r].message;
@@ -272,21 +271,15 @@ TEST(SharedSourceExchange, ReductionsThatDifferAreAMismatchOnEveryRank) {
 }
 
 TEST(SharedSourceExchange, AveragingAgainstSummingIsAMismatch) {
-  LoopbackGroup group(2);
   std::vector<uint8_t> memory(64, 1);
-  const auto outcomes = group.run(
-      "average mismatch",
-      [&](int r, OpContext& context) {
-        SharedSourceExchange exchange(context, *context.shared_memory(), 0);
+  const auto outcomes =
+      exchange_outcomes("average mismatch", [&](int r, SharedSourceExchange& exchange) {
         exchange.offer(1 - r, {ConstSpan{memory.data(), 64}});
         exchange.expect(1 - r, {64});
         ReduceSpec spec;
         spec.post_divisor = r == 0 ? 2.0 : 1.0;
         exchange.set_reductions({spec});
-        exchange.exchange();
-        exchange.finish();
-      },
-      std::chrono::milliseconds(2000));
+      });
   ASSERT_FALSE(outcomes[1].ok);
   EXPECT_NE(outcomes[1].message.find("rank 0 reduces tensor 0 as float32 AVG where this rank "
                                      "reduces it as float32 SUM"),
@@ -325,19 +318,13 @@ TEST(SharedSourceExchange, ExchangesOfDifferentCollectivesAreNamed) {
 }
 
 TEST(SharedSourceExchange, ADifferentNumberOfPiecesIsAMismatchToo) {
-  LoopbackGroup group(2);
   std::vector<uint8_t> memory(64, 1);
-  const auto outcomes = group.run(
-      "exchange piece count",
-      [&](int r, OpContext& context) {
-        SharedSourceExchange exchange(context, *context.shared_memory(), 0);
+  const auto outcomes =
+      exchange_outcomes("exchange piece count", [&](int r, SharedSourceExchange& exchange) {
         std::vector<ConstSpan> pieces(r == 0 ? 1 : 2, ConstSpan{memory.data(), 8});
         exchange.offer(1 - r, pieces);
         exchange.expect(1 - r, std::vector<size_t>(r == 0 ? 1 : 2, 8));
-        exchange.exchange();
-        exchange.finish();
-      },
-      std::chrono::milliseconds(2000));
+      });
   for (int r = 0; r < 2; ++r) EXPECT_FALSE(outcomes[r].ok) << "rank " << r;
   EXPECT_TRUE(outcomes[0].kind == ErrorKind::kMismatch || outcomes[1].kind == ErrorKind::kMismatch)
       << outcomes[0].message << " / " << outcomes[1].message;

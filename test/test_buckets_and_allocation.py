@@ -308,6 +308,72 @@ def check_without_shared_memory(ctx):
     assert be._pool_stats()["pieces_in_place"] == 0
 
 
+def check_buffers_back_in_their_pool_when_wait_returns(ctx):
+    """The progress thread lets go of an op's tensors before wait() returns:
+    a buffer the caller drops right after is back in its pool (the host block
+    cache) at once, so the caller's next allocation of that size reuses it.
+    Large enough (256 KiB) that the op runs on the progress thread, not on the
+    caller's; each way of waiting many times over, as the race was narrow."""
+    from torch_fsdp_ext import _C
+
+    n = ctx.world_size
+    numel = 65536
+
+    def cached(count=numel):
+        return _C._fsdp_host_cache_empty(count, torch.float32).fill_(1.0)
+
+    def all_reduce_sync():
+        tensor = cached()
+        dist.all_reduce(tensor)
+        return [tensor]
+
+    def all_reduce_async():
+        tensor = cached()
+        dist.all_reduce(tensor, async_op=True).wait()
+        return [tensor]
+
+    def all_gather():
+        shard, whole = cached(numel // n), cached()
+        dist.all_gather_into_tensor(whole, shard, async_op=True).wait()
+        return [shard, whole]
+
+    def reduce_scatter():
+        shard, whole = cached(numel // n), cached()
+        dist.reduce_scatter_tensor(shard, whole, async_op=True).wait()
+        return [shard, whole]
+
+    def coalesced():
+        first, second = cached(), cached()
+        with dist._coalescing_manager(async_ops=True) as manager:
+            dist.all_reduce(first)
+            dist.all_reduce(second)
+        manager.wait()
+        return [first, second]
+
+    late = {}
+    for way in (all_reduce_sync, all_reduce_async, all_gather, reduce_scatter, coalesced):
+        for _ in range(200):
+            _C._fsdp_host_cache_release_idle()
+            tensors = way()
+            expected = sum(t.numel() * t.element_size() for t in tensors)
+            del tensors
+            idle = _C._fsdp_host_cache_idle_bytes()
+            # Fewer: a buffer still held. More: one of the previous op's came
+            # back after the release_idle() above. Either way the ranks go on,
+            # so that they keep issuing the same collectives.
+            if idle != expected:
+                late.setdefault(way.__name__, []).append((idle, expected))
+    _C._fsdp_host_cache_release_idle()
+    return late
+
+
+def test_buffers_back_in_their_pool_when_wait_returns(pool2):
+    for late in pool2.run(check_buffers_back_in_their_pool_when_wait_returns):
+        # {way: [(idle bytes, bytes dropped)] for each op of its 200 whose
+        # buffers came back late}
+        assert late == {}, late
+
+
 def test_coalesced_buckets(pool):
     pool.run(check_coalesced_buckets)
 

@@ -66,10 +66,10 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::endCoalescing() {
     work->mark_started();
   };
   op.keepalive = std::make_shared<std::vector<at::Tensor>>(std::move(tensors));
-  op.on_done = [shared_members, work](const comm::OpOutcome& outcome) {
-    for (CoalescedOp& member : *shared_members) member.work->complete(outcome);
-    work->complete(outcome);
-  };
+  std::vector<c10::intrusive_ptr<FsdpExtWork>> works;
+  for (const CoalescedOp& member : *shared_members) works.push_back(member.work);
+  works.push_back(work);
+  op.on_done = FsdpExtWork::completion_on_engine(std::move(works), shared_members);
   engine_->submit(std::move(op));
   return work;
 }

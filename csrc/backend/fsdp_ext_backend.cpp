@@ -188,7 +188,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::enqueue(
   op.body = std::move(body);
   op.keepalive = std::make_shared<std::vector<at::Tensor>>(std::move(keep_alive));
   op.on_start = [work] { work->mark_started(); };
-  op.on_done = [work](const comm::OpOutcome& outcome) { work->complete(outcome); };
+  op.on_done = FsdpExtWork::completion_on_engine({work});
   engine_->submit(std::move(op));
   return work;
 }

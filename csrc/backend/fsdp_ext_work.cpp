@@ -50,13 +50,68 @@ FsdpExtWork::FsdpExtWork(int rank, c10d::OpType type, const char* profiling_titl
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()))) {}
 
+void EngineRelease::arm() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  released_ = false;
+}
+
+void EngineRelease::release() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    released_ = true;
+  }
+  released_cv_.notify_all();
+}
+
+void EngineRelease::await() const {
+  constexpr int kPolls = 64;
+  for (int i = 0; i < kPolls; ++i) {
+    if (released_.load(std::memory_order_acquire)) return;
+    sched_yield();
+  }
+  std::unique_lock<std::mutex> lock(mutex_);
+  released_cv_.wait(lock, [this] { return released_.load(std::memory_order_relaxed); });
+}
+
+std::function<void(const comm::OpOutcome&)> FsdpExtWork::completion_on_engine(
+    std::vector<c10::intrusive_ptr<FsdpExtWork>> works, std::shared_ptr<void> also_held) {
+  std::vector<std::shared_ptr<EngineRelease>> releases;
+  releases.reserve(works.size());
+  for (const auto& work : works) {
+    work->engine_release_->arm();
+    releases.push_back(work->engine_release_);
+  }
+  return [works = std::move(works), also_held = std::move(also_held),
+          releases = std::move(releases)](const comm::OpOutcome& outcome) mutable {
+    for (const auto& work : works) work->complete(outcome);
+    // Possibly the last references: the Works (and their outputs) may be
+    // destroyed here, before any waiter returns.
+    works.clear();
+    also_held.reset();
+    for (const auto& release : releases) release->release();
+  };
+}
+
 bool FsdpExtWork::wait(std::chrono::milliseconds timeout) {
   const auto spin_until = std::chrono::steady_clock::now() + wait_spin_;
   while (!done_.load(std::memory_order_acquire) &&
          std::chrono::steady_clock::now() < spin_until) {
     sched_yield();
   }
+  // Also when the base wait throws the op's error.
+  struct AwaitRelease {
+    const FsdpExtWork& work;
+    ~AwaitRelease() { work.await_engine_release(); }
+  } await_release{*this};
   return c10d::Work::wait(timeout);
+}
+
+void FsdpExtWork::await_engine_release() const {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!completed_ || completing_thread_ == std::this_thread::get_id()) return;
+  }
+  engine_release_->await();
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> FsdpExtWork::getFuture() { return future_; }
@@ -109,6 +164,7 @@ void FsdpExtWork::complete(const comm::OpOutcome& outcome) {
     }
   }
   source_rank_.store(outcome.source_rank);
+  completing_thread_ = std::this_thread::get_id();
   // finish() before the future: a future callback may call wait() on this
   // Work from this very thread.
   if (outcome.ok) {

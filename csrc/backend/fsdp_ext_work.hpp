@@ -11,12 +11,43 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "comm/progress_engine.h"
 
 namespace fsdp_ext::backend {
+
+// Note [wait() returns once the engine let go]
+// The progress thread completes a Work and only then drops its own hold on
+// it (and through it on the op's output tensors). A caller that wait()s and
+// drops the Work at once therefore left the last reference to the progress
+// thread, and with it the return of the op's buffers to their pool (the
+// host block cache) some microseconds after wait() returned: the caller's
+// next allocation of that size found none idle and took a new block, so a
+// training step's memory varied from run to run. An engine-completed Work is
+// released (EngineRelease) once the engine holds nothing of it, and wait()
+// on any other thread returns only then. A future callback that waits on
+// the completing thread itself does not wait for it.
+class EngineRelease {
+ public:
+  // From now until release(), await() blocks. Before the op is submitted.
+  void arm();
+  void release();
+  void await() const;
+
+ private:
+  mutable std::mutex mutex_;
+  mutable std::condition_variable released_cv_;
+  // Written under mutex_; read without it first, as the wait polls briefly
+  // (the release follows the completion by microseconds).
+  std::atomic<bool> released_{true};  // nothing to wait for until armed
+};
 
 // What a Work records of its op besides completion.
 struct WorkRecord {
@@ -49,8 +80,18 @@ class FsdpExtWork : public c10d::Work {
 
   // When the op began to run (its first call counts).
   void mark_started();
-  // Called exactly once, on the progress thread.
+  // Called exactly once: on the progress thread, or on the caller's for a
+  // small op that completed there.
   void complete(const comm::OpOutcome& outcome);
+
+  // The engine's on_done for an op whose outcome completes `works`, in
+  // order: completes them, drops the callback's references to them and
+  // what `also_held` holds (a coalescing batch's members, which hold Works
+  // and tensors too), then releases them (Note [wait() returns once the
+  // engine let go]). Arms their release now, before the op is submitted.
+  static std::function<void(const comm::OpOutcome&)> completion_on_engine(
+      std::vector<c10::intrusive_ptr<FsdpExtWork>> works,
+      std::shared_ptr<void> also_held = nullptr);
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -66,6 +107,12 @@ class FsdpExtWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<bool> done_{false};
   std::atomic<int> source_rank_{-1};
+  // Written before finish(); read once isCompleted() (both under mutex_).
+  std::thread::id completing_thread_;
+  const std::shared_ptr<EngineRelease> engine_release_ = std::make_shared<EngineRelease>();
+
+  // After the base class's wait: for a completed op, until the engine let go.
+  void await_engine_release() const;
 };
 
 // Note [how long a wait polls]

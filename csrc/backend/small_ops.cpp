@@ -66,7 +66,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::run_small(
     op.keepalive = std::make_shared<std::vector<at::Tensor>>(std::move(keep_alive));
     op.body = std::move(body);
     op.on_start = [work] { work->mark_started(); };
-    op.on_done = [work](const comm::OpOutcome& outcome) { work->complete(outcome); };
+    op.on_done = FsdpExtWork::completion_on_engine({work});
     return op;
   };
   comm::ProgressEngine::Turn turn = engine_->try_take_turn(label.op);

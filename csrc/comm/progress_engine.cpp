@@ -330,8 +330,13 @@ std::string ProgressEngine::describe_op(const std::string& name, uint64_t seq) c
 void ProgressEngine::finish(EngineOp& op, const OpOutcome& outcome) {
   // Drop the op's hold on its buffers before completing it, so that when
   // wait() returns, buffers the caller already freed are back in their pool.
-  // (Requests still in flight after a failure keep their own reference.)
+  // The body goes too: its closure holds the op's tensors as well, and the op
+  // itself is destroyed only after this returns, on this thread, racing the
+  // caller's next allocation. (Requests still in flight after a failure keep
+  // their own reference.)
   op.keepalive.reset();
+  op.body = nullptr;
+  op.on_start = nullptr;
   if (op.on_done) op.on_done(outcome);
   op.on_done = nullptr;
 }

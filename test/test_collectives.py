@@ -6,6 +6,7 @@ item covers a whole matrix without paying process start-up per case.
 """
 
 import os
+import time
 
 import pytest
 import torch
@@ -253,6 +254,16 @@ def check_async_work_and_futures(ctx):
     t = torch.ones(10)
     doubled = dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
     assert torch.all(doubled.wait() == 2 * n)
+    # A Python callback runs on the progress thread (it takes the GIL) while
+    # the caller waits for that thread to let go of the op (Note [wait()
+    # returns once the engine let go]): the wait must not hold the GIL. Large
+    # enough for the progress thread; the callback slow enough to be waited for.
+    for _ in range(5):
+        big = torch.ones(65536)
+        work = dist.all_reduce(big, async_op=True)
+        summed = work.get_future().then(lambda f: (time.sleep(0.002), f.value()[0].sum())[1])
+        assert work.wait() is True
+        assert summed.wait().item() == 65536 * n
 
 
 def check_coalescing(ctx):

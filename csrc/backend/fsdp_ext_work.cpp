@@ -50,6 +50,12 @@ FsdpExtWork::FsdpExtWork(int rank, c10d::OpType type, const char* profiling_titl
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()))) {}
 
+namespace {
+std::atomic<bool (*)()> release_wait_check{nullptr};
+}  // namespace
+
+void set_release_wait_check(bool (*may_wait)()) { release_wait_check.store(may_wait); }
+
 void EngineRelease::arm() {
   std::lock_guard<std::mutex> lock(mutex_);
   released_ = false;
@@ -111,6 +117,8 @@ void FsdpExtWork::await_engine_release() const {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!completed_ || completing_thread_ == std::this_thread::get_id()) return;
   }
+  bool (*may_wait)() = release_wait_check.load(std::memory_order_relaxed);
+  if (may_wait != nullptr && !may_wait()) return;
   engine_release_->await();
 }
 

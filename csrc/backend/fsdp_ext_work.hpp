@@ -33,7 +33,12 @@ namespace fsdp_ext::backend {
 // training step's memory varied from run to run. An engine-completed Work is
 // released (EngineRelease) once the engine holds nothing of it, and wait()
 // on any other thread returns only then. A future callback that waits on
-// the completing thread itself does not wait for it.
+// the completing thread itself does not wait for it, and neither does a
+// waiter that holds Python's GIL (set_release_wait_check): between the
+// completion and the release the progress thread may need the GIL itself
+// (a Python future callback; the last reference to a tensor whose Python
+// object lives on). torch's own waits (Work.wait, the functional
+// collectives' wait_tensor) release the GIL first.
 class EngineRelease {
  public:
   // From now until release(), await() blocks. Before the op is submitted.
@@ -48,6 +53,11 @@ class EngineRelease {
   // (the release follows the completion by microseconds).
   std::atomic<bool> released_{true};  // nothing to wait for until armed
 };
+
+// Whether this thread may wait for an engine's release (Note [wait()
+// returns once the engine let go]). The bindings install a check that it
+// does not hold the GIL; without one, every thread may.
+void set_release_wait_check(bool (*may_wait)());
 
 // What a Work records of its op besides completion.
 struct WorkRecord {

@@ -10,6 +10,7 @@
 
 #include "backend/flight_recorder.hpp"
 #include "backend/fsdp_ext_backend.hpp"
+#include "backend/fsdp_ext_work.hpp"
 #include "comm/algorithm_selection.h"
 #include "comm/algorithms/small_ops.h"
 #include "comm/memory_limits.h"
@@ -30,6 +31,9 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "fsdp_ext c10d backend (UCX for CPU tensors)";
   // The c10d.Backend base class is registered by torch.distributed.
   py::module_::import("torch.distributed");
+  // A wait() that holds the GIL must not wait for the progress thread to let
+  // go of the op: it may need the GIL to get there (fsdp_ext_work.hpp).
+  fsdp_ext::backend::set_release_wait_check([] { return PyGILState_Check() == 0; });
 
   py::class_<FsdpExtBackend, c10d::Backend, c10::intrusive_ptr<FsdpExtBackend>>(
       m, "FsdpExtBackend")

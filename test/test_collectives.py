@@ -256,8 +256,9 @@ def check_async_work_and_futures(ctx):
     assert torch.all(doubled.wait() == 2 * n)
     # A Python callback runs on the progress thread (it takes the GIL) while
     # the caller waits for that thread to let go of the op (Note [wait()
-    # returns once the engine let go]): the wait must not hold the GIL. Large
-    # enough for the progress thread; the callback slow enough to be waited for.
+    # returns once the engine let go]); Work.wait releases the GIL, so both
+    # go on. Large enough for the progress thread; the callback slow enough
+    # to be waited for.
     for _ in range(5):
         big = torch.ones(65536)
         work = dist.all_reduce(big, async_op=True)

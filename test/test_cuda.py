@@ -8,7 +8,8 @@ route of the group's CUDA path forced in turn (FSDP_EXT_CUDA_PATH): ``ipc``
 computed on the CPU from closed-form inputs (value = f(rank, index)), at
 awkward sizes (0, 1, 3, 8191 and a few MiB), for every dtype the op takes.
 Then the stream contract (an op waits for the caller's stream; ``wait()``
-orders the caller's stream, not the host), coalesced ops, and bad input.
+orders the caller's stream, not the host), coalesced ops, buffers from the
+group (read in place, reused in stream order), and bad input.
 
 Needs a CUDA GPU and a build with the CUDA parts; without either every test
 here skips, saying which (test/gpu/run.sh runs them on the lent GPU machine).
@@ -296,6 +297,167 @@ def test_stream_contract(route):
     pool = get_pool(2, FSDP_EXT_CUDA_PATH=route)
     for rank, results in enumerate(pool.run(check_stream_contract, timeout=CALL_TIMEOUT)):
         assert results == [True, True, True], (rank, results)
+
+
+# Buffers from the group (allocate_tensor on CUDA): peers open each once and
+# read it in place, also under expandable segments, where torch's own memory
+# has no IPC handle and an op on it is staged through host memory.
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def check_group_buffers_in_place(ctx):
+    """20 rounds of all-gather (also in place, FSDP's form), reduce-scatter
+    and all-reduce on buffers from the group, checked against the CPU
+    reference; then one all-reduce on torch's memory. Returns the failures
+    and the group's counters after round 1, after round 20, and after the
+    op on torch's memory."""
+    torch.cuda.set_device(0)
+    rank, world = ctx.rank, ctx.world_size
+    dev = torch.device("cuda", 0)
+    backend = dist.group.WORLD._get_backend(dev)
+    failures = []
+
+    def expect(what, ok):
+        if not ok:
+            failures.append(what)
+
+    # Offered before the group's first CUDA op (which chooses its route).
+    expect("supports_tensor_alloc before the first op", backend.supports_tensor_alloc(dev))
+    counters = []
+    for round_ in range(20):
+        for dtype in (torch.float32, torch.bfloat16):
+            for n in (1, 3, 8191, 3 << 18):
+                where = f"round {round_} {dtype} n={n}"
+                inp = backend.allocate_tensor(n, dtype=dtype, device=dev)
+                inp.copy_(values(rank, n, dtype, dev))
+                out = backend.allocate_tensor(world * n, dtype=dtype, device=dev)
+                dist.all_gather_into_tensor(out, inp)
+                everyone = [values(r, n, dtype) for r in range(world)]
+                expect(f"all_gather {where}", torch.equal(out.cpu(), torch.cat(everyone)))
+                # In place: the input a view into the output, as FSDP calls it.
+                out.zero_()
+                own = out.narrow(0, rank * n, n)
+                own.copy_(values(rank, n, dtype, dev))
+                dist.all_gather_into_tensor(out, own)
+                expect(f"all_gather in place {where}", torch.equal(out.cpu(), torch.cat(everyone)))
+                big = backend.allocate_tensor(world * n, dtype=dtype, device=dev)
+                big.copy_(torch.cat([values(rank + 10 * k, n, dtype) for k in range(world)]))
+                shard = backend.allocate_tensor(n, dtype=dtype, device=dev)
+                dist.reduce_scatter_tensor(shard, big)
+                blocks = [values(r + 10 * rank, n, dtype) for r in range(world)]
+                expect(f"reduce_scatter {where}",
+                       torch.equal(shard.cpu(), reference("sum", blocks, dtype, world)))
+                dist.all_reduce(inp)
+                expect(f"all_reduce {where}",
+                       torch.equal(inp.cpu(), reference("sum", everyone, dtype, world)))
+                del inp, out, own, big, shard
+                # The release fences pass before the next allocation (sizes
+                # 1 and 3 share a size class): each class then holds the four
+                # buffers live at once, made in round 0, whatever the timing.
+                torch.cuda.synchronize()
+        if round_ == 0:
+            counters.append(backend._cuda_counters())
+    counters.append(backend._cuda_counters())
+    expect(f"route reads in place: {backend.cuda_route}", backend.cuda_route.startswith("ipc"))
+    expect("supports_tensor_alloc on the IPC route", backend.supports_tensor_alloc(dev))
+    # torch's memory under expandable segments: no handle, the op is staged.
+    t = values(rank, 8191, torch.float32, dev)
+    dist.all_reduce(t)
+    expect("all_reduce on torch's memory", torch.equal(
+        t.cpu(), reference("sum", [values(r, 8191, torch.float32) for r in range(world)],
+                           torch.float32, world)))
+    counters.append(backend._cuda_counters())
+    return failures, counters
+
+
+def test_group_buffers_are_read_in_place():
+    pool = get_pool(2, FSDP_EXT_CUDA_PATH="ipc", **EXPANDABLE)
+    for rank, (failures, (first, last, staged)) in enumerate(
+            pool.run(check_group_buffers_in_place, timeout=CALL_TIMEOUT)):
+        assert not failures, (rank, failures)
+        # Nothing staged, each peer buffer opened once: round 1 opened all
+        # there are, the next 19 reused the same buffers.
+        assert last["staged_ops"] == 0, (rank, last)
+        assert last["peer_buffers_opened"] == first["peer_buffers_opened"] > 0, (rank, first, last)
+        assert last["buffers"] == first["buffers"], (rank, first, last)
+        assert last["buffers_exported"] == last["buffers"], (rank, last)
+        assert last["reuses"] >= 19 * 2 * 4 * 4, (rank, last)  # rounds x dtypes x sizes x buffers
+        assert last["buffers_in_use"] == 0, (rank, last)
+        assert staged["staged_ops"] == 1, (rank, staged)
+
+
+def check_stream_ordered_reuse(ctx):
+    """A freed buffer is handed out again at once on the stream it was used
+    on, not on another while that stream's work on it is pending, and not
+    while the group's stream still reads it (an op in flight)."""
+    torch.cuda.set_device(0)
+    rank, world = ctx.rank, ctx.world_size
+    dev = torch.device("cuda", 0)
+    backend = dist.group.WORLD._get_backend(dev)
+    dist.all_reduce(torch.ones(1, device=dev))  # the route is chosen
+    found = {}
+    other = torch.cuda.Stream(dev)
+    # 1. Freed with work pending on the current stream.
+    x = backend.allocate_tensor(1 << 16, dtype=torch.float32, device=dev)
+    address = x.data_ptr()
+    torch.cuda._sleep(50_000_000)  # tens of ms of device time
+    x.fill_(1.0)
+    del x
+    with torch.cuda.stream(other):
+        y = backend.allocate_tensor(1 << 16, dtype=torch.float32, device=dev)
+        found["another stream while pending"] = y.data_ptr() != address
+    z = backend.allocate_tensor(1 << 16, dtype=torch.float32, device=dev)
+    found["same stream at once"] = z.data_ptr() == address
+    del y, z
+    torch.cuda.synchronize()
+    # 2. An op in flight on the group's stream reads the buffer after the
+    # caller freed it: not handed out, on any stream, until it is done; the
+    # op's result is right although the new buffer is written meanwhile.
+    inp = backend.allocate_tensor(1 << 18, dtype=torch.float32, device=dev)
+    address = inp.data_ptr()
+    inp.fill_(rank + 1)
+    out = torch.empty(world << 18, device=dev)
+    torch.cuda._sleep(50_000_000)  # the op starts after this
+    work = dist.all_gather_into_tensor(out, inp, async_op=True)
+    del inp
+    again = backend.allocate_tensor(1 << 18, dtype=torch.float32, device=dev)
+    found["not while an op reads it"] = again.data_ptr() != address
+    again.fill_(-1.0)
+    work.wait()
+    expected = torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(1 << 18)
+    found["the op's result"] = torch.equal(out.cpu(), expected)
+    del again
+    torch.cuda.synchronize()
+    first = backend.allocate_tensor(1 << 18, dtype=torch.float32, device=dev)
+    found["once the op is done"] = first.data_ptr() == address
+    return found
+
+
+def test_freed_buffers_are_reused_in_stream_order():
+    for rank, found in enumerate(get_pool(2, FSDP_EXT_CUDA_PATH="ipc").run(
+            check_stream_ordered_reuse, timeout=CALL_TIMEOUT)):
+        assert all(found.values()), (rank, found)
+
+
+def check_no_buffers_on_staged_route(ctx):
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    backend = dist.group.WORLD._get_backend(dev)
+    offered = backend.supports_tensor_alloc(dev)
+    try:
+        backend.allocate_tensor(16, dtype=torch.float32, device=dev)
+        message = "no error"
+    except RuntimeError as error:
+        message = str(error)
+    return offered, message
+
+
+def test_no_buffers_where_peers_cannot_read_them():
+    for rank, (offered, message) in enumerate(get_pool(2, FSDP_EXT_CUDA_PATH="staged").run(
+            check_no_buffers_on_staged_route, timeout=CALL_TIMEOUT)):
+        assert not offered, rank
+        assert f"rank {rank}/2" in message and "FSDP_EXT_CUDA_PATH=staged" in message, message
+        assert "supports_tensor_alloc" in message, message
 
 
 @pytest.mark.skipif(not dist.is_nccl_available(), reason="this torch has no NCCL")

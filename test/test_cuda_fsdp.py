@@ -7,7 +7,8 @@ steps with Adam, and their losses and final parameters must be equal:
   path's IPC route); fp32, bf16 mixed precision, gradient accumulation
   without sync, reshard_after_forward=False, set_post_optim_event, HSDP
   (also at world size 4, a 2 x 2 mesh), and with the side streams switched
-  off (FSDP_EXT_FSDP_STREAMS=0, the debugging lever);
+  off (FSDP_EXT_FSDP_STREAMS=0, the debugging lever), and with the
+  communication buffers from the process group (fsdp_ext's device buffers);
 - the next group's all-gather overlapping the current group's compute, from
   a profiler trace (and not overlapping with the side streams off);
 - the errors a CUDA mesh adds (a process group without a CUDA backend,
@@ -104,7 +105,7 @@ def cuda_mesh(ctx, kind):
 
 
 def train(ctx, impl, mesh_kind, mixed_precision=False, accumulate=False, reshard=True,
-          post_optim_event=False):
+          post_optim_event=False, from_group=False):
     """(losses, final full parameters on the host) of one implementation."""
     from fsdp_testing import fsdp_api
 
@@ -121,6 +122,11 @@ def train(ctx, impl, mesh_kind, mixed_precision=False, accumulate=False, reshard
     for block in model.blocks:
         api.fully_shard(block, **kwargs)
     api.fully_shard(model, **kwargs)
+    if from_group:
+        # Each FSDP module's own groups (upstream's setter does not recurse).
+        for module in model.modules():
+            if isinstance(module, api.FSDPModule):
+                module.set_allocate_memory_from_process_group_for_comm(True)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
     micros = 2 if accumulate else 1
@@ -145,6 +151,18 @@ def train(ctx, impl, mesh_kind, mixed_precision=False, accumulate=False, reshard
     return losses, params
 
 
+def differences(upstream, ours):
+    """What differs between two train() results: empty if nothing."""
+    problems = []
+    if upstream[0] != ours[0]:
+        problems.append(f"losses differ: upstream {upstream[0]} ours {ours[0]}")
+    for i, (theirs, mine) in enumerate(zip(upstream[1], ours[1])):
+        if not torch.equal(theirs, mine):
+            problems.append(f"parameter {i} differs: max |diff| "
+                            f"{(theirs.double() - mine.double()).abs().max().item():.3e}")
+    return problems
+
+
 def compare(ctx, mesh_kind, options=None, side_streams=True):
     """Upstream then ours in this worker: the differences, empty if none.
     `options`: train's keyword arguments; `side_streams` False: ours with
@@ -154,14 +172,7 @@ def compare(ctx, mesh_kind, options=None, side_streams=True):
         streams_off()
     upstream = train(ctx, "upstream", mesh_kind, **options)
     ours = train(ctx, "ours", mesh_kind, **options)
-    problems = []
-    if upstream[0] != ours[0]:
-        problems.append(f"losses differ: upstream {upstream[0]} ours {ours[0]}")
-    for i, (theirs, mine) in enumerate(zip(upstream[1], ours[1])):
-        if not torch.equal(theirs, mine):
-            problems.append(f"parameter {i} differs: max |diff| "
-                            f"{(theirs.double() - mine.double()).abs().max().item():.3e}")
-    return problems
+    return differences(upstream, ours)
 
 
 @pytest.mark.skipif(not dist.is_nccl_available(), reason="this torch has no NCCL")
@@ -199,6 +210,36 @@ def test_without_side_streams_matches_upstream():
     for rank, problems in enumerate(pool_of(2).run(compare, "fsdp_ext", None, False,
                                                    timeout=CALL_TIMEOUT)):
         assert not problems, (rank, problems)
+
+
+def check_buffers_from_the_group(ctx):
+    """Upstream then ours with every group's communication buffers from the
+    process group: the differences, and per implementation how many buffers
+    it took from the group (its CUDA buffer counters) and how many ops were
+    staged through host memory."""
+    backend = dist.group.WORLD._get_backend(torch.device("cuda", 0))
+    results, taken = [], []
+    for impl in ("upstream", "ours"):
+        before = backend._cuda_counters()
+        results.append(train(ctx, impl, "fsdp_ext", from_group=True))
+        after = backend._cuda_counters()
+        taken.append((after["allocations"] - before["allocations"],
+                      after["staged_ops"] - before["staged_ops"]))
+    return differences(*results), taken
+
+
+def test_buffers_from_the_group_match_upstream():
+    """Both implementations take the all-gather outputs and reduce-scatter
+    buffers from fsdp_ext (its device buffers, which the peer reads in
+    place, none staged) and still agree bit for bit."""
+    for rank, (problems, taken) in enumerate(pool_of(2).run(check_buffers_from_the_group,
+                                                              timeout=CALL_TIMEOUT)):
+        assert not problems, (rank, problems)
+        for impl, (allocations, staged) in zip(("upstream", "ours"), taken):
+            # Per step at least the 5 groups' forward all-gather outputs and
+            # their reduce-scatter inputs.
+            assert allocations >= STEPS * 10, (rank, impl, allocations)
+            assert staged == 0, (rank, impl, staged)
 
 
 def check_errors(ctx):

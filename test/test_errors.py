@@ -158,6 +158,31 @@ def test_bad_input(pool):
     pool.run(check_bad_input)
 
 
+def check_no_cuda_buffers_without_a_gpu(ctx):
+    from torch_fsdp_ext import _build_info
+
+    be = dist.group.WORLD._get_backend(torch.device("cpu"))
+    cuda0 = torch.device("cuda", 0)
+    where = [f"rank {ctx.rank}/{ctx.world_size}", "allocate_tensor"]
+    assert not be.supports_tensor_alloc(cuda0)
+    if not _build_info.WITH_CUDA:
+        expect_error(NotImplementedError, ["a CUDA device, but this build of torch_fsdp_ext has "
+                                           "no CUDA path"] + where,
+                     lambda: be.allocate_tensor(4, dtype=torch.float32, device=cuda0))
+    else:
+        expect_error(RuntimeError, ["no cuda:0", "supports_tensor_alloc"] + where,
+                     lambda: be.allocate_tensor(4, dtype=torch.float32, device=cuda0))
+    return True
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="test_cuda.py checks buffers on a GPU")
+def test_no_cuda_buffers_without_a_gpu(pool2):
+    """A group that cannot hand out device buffers says so: not offered,
+    and allocate_tensor names why (a build without the CUDA path, or a CUDA
+    build on a machine without a GPU)."""
+    assert pool2.run(check_no_cuda_buffers_without_a_gpu) == [True, True]
+
+
 def test_meta_tensor_rejected(pool2):
     messages = pool2.run(check_meta_tensor)
     assert all(m for m in messages)

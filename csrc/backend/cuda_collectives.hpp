@@ -55,6 +55,13 @@ struct CudaOp {
   std::function<WorkPtr(c10d::Backend& nccl)> on_nccl;
 };
 
+// Where a group's CUDA ops took their data (tests check that buffers from
+// the group move in place).
+struct CudaPathCounters {
+  uint64_t staged_ops = 0;           // ops staged through host memory
+  uint64_t peer_buffers_opened = 0;  // peers' IPC handles opened (each once)
+};
+
 class CudaCollectives {
  public:
   virtual ~CudaCollectives() = default;
@@ -67,9 +74,42 @@ class CudaCollectives {
   // would hold the host until its receiver posts, and IPC has no pairwise
   // protocol yet).
   virtual bool runs_point_to_point() const { return false; }
+  // Whether peers read this rank's device buffers in place (the IPC
+  // route): where the group's own device buffers are worth offering.
+  virtual bool reads_in_place() const { return false; }
+  virtual CudaPathCounters counters() const { return {}; }
   // The group shuts down (torch's NCCL group with it).
   virtual void shutdown() {}
 };
+
+// Device memory the group hands out (allocate_tensor on CUDA tensors), on
+// one device: buffers its peers open once and read in place, with or without
+// torch's expandable segments (backend/cuda/cuda_buffers.hpp). Tensors hold
+// their memory's pool: it outlives the group while any of them lives.
+class CudaBuffers {
+ public:
+  struct Stats {
+    size_t buffers = 0;         // made so far, in use or free
+    size_t in_use = 0;          // handed out and not yet freed
+    size_t reserved_bytes = 0;  // device memory the buffers hold
+    size_t allocations = 0;     // tensors handed out so far
+    size_t reuses = 0;          // of which from a freed buffer
+    size_t exported = 0;        // buffers peers can open (an IPC handle)
+  };
+  virtual ~CudaBuffers() = default;
+  // A 1-D tensor of `numel` elements of `options`' dtype, on this pool's
+  // device, for work on the current stream.
+  virtual at::Tensor allocate(const OpLabel& label, int64_t numel,
+                              const at::TensorOptions& options) = 0;
+  virtual int device() const = 0;
+  virtual Stats stats() const = 0;
+};
+
+// Whether this build has the CUDA path (false: cuda_unavailable.cpp).
+bool cuda_path_built();
+// The group's device buffers on `device` (-1: the current device). A build
+// without CUDA throws NotImplementedError naming the op.
+std::shared_ptr<CudaBuffers> make_cuda_buffers(const OpLabel& label, int device);
 
 // The CUDA path of `group` for tensors on `device`, set up collectively (every
 // rank calls it at the same op); `choice` is FSDP_EXT_CUDA_PATH. A build

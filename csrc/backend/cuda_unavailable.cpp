@@ -1,20 +1,32 @@
 // A build without CUDA (cmake/cuda.cmake says why): CUDA tensors are refused.
 #include <c10/util/Exception.h>
 
+#include <cstdlib>
+
 #include "backend/cuda_collectives.hpp"
 
 namespace fsdp_ext::backend {
 
-std::shared_ptr<CudaCollectives> make_cuda_collectives(FsdpExtBackend&, const OpLabel& label,
-                                                       int, const std::string&,
-                                                       const NcclFactory&) {
+namespace {
+[[noreturn]] void refuse(const OpLabel& label) {
   TORCH_CHECK_NOT_IMPLEMENTED(
       false, label.prefix(),
       "got CUDA tensors, but this build of torch_fsdp_ext has no CUDA path (it was built "
       "without a CUDA compiler, or against a CPU build of torch, or with FSDP_EXT_CUDA=OFF); "
       "rebuild with nvcc on PATH against a CUDA torch, or use CPU tensors, or a "
       "'cpu:fsdp_ext,cuda:nccl' backend string");
-  return nullptr;
+  std::abort();  // not reached: the check above throws
 }
+}  // namespace
+
+bool cuda_path_built() { return false; }
+
+std::shared_ptr<CudaCollectives> make_cuda_collectives(FsdpExtBackend&, const OpLabel& label,
+                                                       int, const std::string&,
+                                                       const NcclFactory&) {
+  refuse(label);
+}
+
+std::shared_ptr<CudaBuffers> make_cuda_buffers(const OpLabel& label, int) { refuse(label); }
 
 }  // namespace fsdp_ext::backend

@@ -70,10 +70,15 @@ class FsdpExtBackend : public c10d::Backend {
   void enableCollectivesTiming() override { timing_enabled_.store(true); }
 
   // Allocation from the group (FSDP2's set_allocate_memory_from_process_group
-  // _for_comm): CPU tensors in shared memory that peers read in place. Only
+  // _for_comm): CPU tensors in shared memory, and CUDA tensors in device
+  // buffers exported once (CudaBuffers), that peers read in place. Only
   // offered where that is real: every rank on one host and able to map the
-  // others' memory (decided at init; FSDP_EXT_SHARED_MEMORY=0 turns it off).
+  // others' memory (decided at init; FSDP_EXT_SHARED_MEMORY=0 turns it off),
+  // and for CUDA a build with the CUDA path whose route, once chosen, reads
+  // in place (allocation.cpp).
   bool supportsTensorAlloc(c10::DeviceIndex device_index) override;
+  // Why this group does not hand out buffers on cuda:`device` ("": it does).
+  std::string why_no_cuda_buffers(int device) const;
   at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
   bool shared_memory_enabled() const { return shared_memory_ && shared_memory_->enabled(); }
   comm::SharedPoolStats pool_stats() const { return pool_->stats(); }
@@ -167,6 +172,14 @@ class FsdpExtBackend : public c10d::Backend {
                                                    std::chrono::milliseconds timeout);
   // How this group's CUDA ops run ("" before its first CUDA op).
   std::string cuda_route_description() const;
+  // The group's device buffers on `device` (-1: the current one), made at
+  // its first CUDA allocation or when its CUDA path is made; the IPC route
+  // exports them. A rank uses one device per group.
+  std::shared_ptr<CudaBuffers> cuda_buffers(const OpLabel& label, int device);
+  // Where this group's CUDA ops took their data, and its device buffers'
+  // counters (zero before its first CUDA op / allocation).
+  CudaPathCounters cuda_path_counters() const;
+  CudaBuffers::Stats cuda_buffer_stats() const;
 
   // Shuts down every live fsdp_ext backend (registered with Python's atexit,
   // so threads and UCX resources are released before interpreter teardown).
@@ -286,6 +299,9 @@ class FsdpExtBackend : public c10d::Backend {
   mutable std::mutex cuda_mutex_;
   std::shared_ptr<CudaCollectives> cuda_;
   int cuda_device_ = -1;
+  // Its own lock: the path's set-up (under cuda_mutex_) takes the buffers.
+  mutable std::mutex cuda_buffers_mutex_;
+  std::shared_ptr<CudaBuffers> cuda_buffers_;
   std::unique_ptr<comm::ProgressEngine> engine_;
   // After engine_: stopped (in shutdown) and destroyed before it.
   std::unique_ptr<PeerActivityBoard> activity_board_;

@@ -82,6 +82,25 @@ PYBIND11_MODULE(_C, m) {
           "(for leak checks), and how many shared-memory pieces were offered to\n"
           "peers in place, after a staging copy, or for process_vm_readv.")
       .def(
+          "_cuda_counters",
+          [](const FsdpExtBackend& backend) {
+            const fsdp_ext::backend::CudaPathCounters path = backend.cuda_path_counters();
+            const fsdp_ext::backend::CudaBuffers::Stats buffers = backend.cuda_buffer_stats();
+            py::dict out;
+            out["staged_ops"] = path.staged_ops;
+            out["peer_buffers_opened"] = path.peer_buffers_opened;
+            out["buffers"] = buffers.buffers;
+            out["buffers_in_use"] = buffers.in_use;
+            out["buffer_bytes"] = buffers.reserved_bytes;
+            out["allocations"] = buffers.allocations;
+            out["reuses"] = buffers.reuses;
+            out["buffers_exported"] = buffers.exported;
+            return out;
+          },
+          "Where this group's CUDA ops took their data (ops staged through host\n"
+          "memory, peers' buffers opened here) and its device buffers' counters\n"
+          "(allocate_tensor on CUDA); zeros before the first of each.")
+      .def(
           "_op_counters",
           [](const FsdpExtBackend& backend) {
             py::dict out;

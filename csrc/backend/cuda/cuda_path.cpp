@@ -10,6 +10,7 @@
 #include <cstring>
 #include <set>
 
+#include "backend/cuda/cuda_buffers.hpp"
 #include "backend/cuda/ipc_route.hpp"
 #include "backend/fsdp_ext_backend.hpp"
 #include "backend/peer_identity.hpp"
@@ -48,6 +49,10 @@ CudaPath::CudaPath(FsdpExtBackend& group, const OpLabel& label, int device,
       stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true,
                                            static_cast<c10::DeviceIndex>(device))) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  // In a build with this path every CudaBuffers is a GroupCudaBuffers
+  // (make_cuda_buffers, cuda_buffers.cpp); made here if no allocation came
+  // first, as the IPC route's probe takes its buffer from it.
+  buffers_ = std::static_pointer_cast<GroupCudaBuffers>(group.cuda_buffers(label, device));
   const std::chrono::milliseconds timeout = group.default_timeout();
   CudaIdentity mine;
   copy_text(mine.host, this_host());
@@ -149,11 +154,21 @@ void CudaPath::follow_current_stream() const {
 void CudaPath::record_stream(const CudaOp& op) const {
   for (const auto* tensors : {&op.inputs, &op.outputs}) {
     for (const at::Tensor& tensor : *tensors) {
-      if (tensor.defined() && tensor.is_cuda()) {
+      if (!tensor.defined() || !tensor.is_cuda()) continue;
+      // (torch's allocator ignores memory it did not allocate, so the
+      // group's buffers need their own record.)
+      if (!buffers_->record_use(tensor, stream_)) {
         c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), stream_);
       }
     }
   }
+}
+
+CudaPathCounters CudaPath::counters() const {
+  CudaPathCounters counters;
+  counters.staged_ops = staged_ops_.load();
+  counters.peer_buffers_opened = ipc_ ? ipc_->peer_buffers_opened() : 0;
+  return counters;
 }
 
 WorkPtr CudaPath::run(const OpLabel& label, CudaOp op) {

@@ -23,6 +23,7 @@
 
 #include <c10/cuda/CUDAStream.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,6 +33,7 @@
 namespace fsdp_ext::backend {
 
 class IpcRoute;
+class GroupCudaBuffers;
 
 class CudaPath final : public CudaCollectives {
  public:
@@ -42,6 +44,8 @@ class CudaPath final : public CudaCollectives {
   WorkPtr run(const OpLabel& label, CudaOp op) override;
   std::string describe() const override { return description_; }
   bool runs_point_to_point() const override { return route_ == Route::kNccl; }
+  bool reads_in_place() const override { return route_ == Route::kIpc; }
+  CudaPathCounters counters() const override;
   void shutdown() override;
 
   // The staged route (staged_route.cpp), also where the IPC route cannot
@@ -57,8 +61,12 @@ class CudaPath final : public CudaCollectives {
   // enqueued so far (the op's inputs are ready there).
   void follow_current_stream() const;
   // The allocator keeps the op's tensors' memory for the group's stream's
-  // work, even if the caller frees them before waiting.
+  // work, even if the caller frees them before waiting: torch's caching
+  // allocator, or the group's own buffers.
   void record_stream(const CudaOp& op) const;
+  // The group's device buffers (allocate_tensor), which the IPC route
+  // exports by their own handles.
+  GroupCudaBuffers& buffers() const { return *buffers_; }
 
  private:
   enum class Route { kNccl, kIpc, kStaged };
@@ -72,6 +80,8 @@ class CudaPath final : public CudaCollectives {
   std::string description_;
   c10::intrusive_ptr<c10d::Backend> nccl_;
   std::unique_ptr<IpcRoute> ipc_;
+  std::shared_ptr<GroupCudaBuffers> buffers_;
+  std::atomic<uint64_t> staged_ops_{0};
 };
 
 }  // namespace fsdp_ext::backend

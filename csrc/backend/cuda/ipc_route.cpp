@@ -9,6 +9,7 @@
 #include <cstring>
 #include <optional>
 
+#include "backend/cuda/cuda_buffers.hpp"
 #include "backend/cuda/cuda_path.hpp"
 #include "backend/cuda/cuda_work.hpp"
 #include "backend/fsdp_ext_backend.hpp"
@@ -77,11 +78,14 @@ std::string first_failure(const std::vector<std::vector<uint8_t>>& records) {
 }
 
 // The IPC handle of the allocation holding `tensor` and the tensor's offset
-// in it; nullopt when it has none. The caching allocator finds an allocation
-// by the start of its block (the storage's start, not a view's data
-// pointer), and refuses (throws) for expandable segments and memory it did
-// not allocate: those have no legacy handle, and the op is staged.
-std::optional<device::IpcBuffer> export_tensor(const at::Tensor& tensor) {
+// in it; nullopt when it has none. The group's own buffers carry the handle
+// they got when made. torch's caching allocator finds an allocation by the
+// start of its block (the storage's start, not a view's data pointer), and
+// refuses (throws) for expandable segments and memory it did not allocate:
+// those have no legacy handle, and the op is staged.
+std::optional<device::IpcBuffer> export_tensor(const GroupCudaBuffers& buffers,
+                                               const at::Tensor& tensor) {
+  if (std::optional<device::IpcBuffer> own = buffers.exported(tensor)) return own;
   size_t allocation_bytes = 0;
   void* base = nullptr;
   try {
@@ -127,11 +131,13 @@ std::unique_ptr<IpcRoute> IpcRoute::try_create(CudaPath& path, const OpLabel& la
   const auto event_records = group.exchange_bytes(label, events.bytes(), timeout);
   if (!(*why_not = first_failure(event_records)).empty()) return nullptr;
 
-  // 2. The peers' events opened; a probe buffer exported.
-  at::Tensor probe = at::empty({256}, at::TensorOptions().dtype(at::kByte).device(
-                                          at::kCUDA, static_cast<c10::DeviceIndex>(path.device())));
+  // 2. The peers' events opened; a probe buffer exported, one of the
+  // group's own (torch's allocator may hand out memory without a handle,
+  // expandable segments, where the group's buffers still have one).
   std::optional<device::IpcBuffer> exported;
+  at::Tensor probe;
   try {
+    probe = path.buffers().allocate(label, 256, at::TensorOptions().dtype(at::kByte));
     route->peer_ready_.resize(size);
     route->peer_mid_.resize(size);
     route->peer_done_.resize(size);
@@ -144,7 +150,7 @@ std::unique_ptr<IpcRoute> IpcRoute::try_create(CudaPath& path, const OpLabel& la
       route->peer_mid_[peer] = std::make_unique<device::PeerEvent>(reader.get<cudaIpcEventHandle_t>());
       route->peer_done_[peer] = std::make_unique<device::PeerEvent>(reader.get<cudaIpcEventHandle_t>());
     }
-    exported = export_tensor(probe);
+    exported = export_tensor(path.buffers(), probe);
     if (!exported) failure = kNoHandle;
   } catch (const std::exception& error) {
     failure = error.what();
@@ -189,7 +195,7 @@ bool IpcRoute::exchange_buffers(const OpLabel& label, const std::vector<at::Tens
   for (const at::Tensor& tensor : shared) {
     std::optional<device::IpcBuffer> exported =
         tensor.numel() == 0 ? std::optional<device::IpcBuffer>(device::IpcBuffer{})
-                            : export_tensor(tensor);
+                            : export_tensor(path_.buffers(), tensor);
     if (!exported) {
       failure = kNoHandle;
       break;

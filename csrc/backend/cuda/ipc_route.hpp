@@ -45,6 +45,8 @@ class IpcRoute {
                                               std::string* why_not);
 
   WorkPtr run(const OpLabel& label, CudaOp& op);
+  // Peers' buffers opened so far (each allocation of a peer once).
+  uint64_t peer_buffers_opened() const { return peer_memory_.opens(); }
 
  private:
   explicit IpcRoute(CudaPath& path) : path_(path) {}

@@ -20,6 +20,7 @@ namespace fsdp_ext::backend {
 
 WorkPtr CudaPath::run_staged(const OpLabel& label, CudaOp& op) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  staged_ops_.fetch_add(1);
   follow_current_stream();
   // One pinned host tensor per distinct device tensor: an in-place op's
   // tensor is an input and an output, and must stay one tensor on the host.

@@ -1,7 +1,9 @@
 #include "device/device_buffer_pool.h"
 
+#include <new>
 #include <string>
 
+#include "device/buffer_ranges.h"
 #include "device/cuda_check.h"
 
 namespace fsdp_ext::device {
@@ -84,7 +86,6 @@ void* DeviceBufferPool::allocate(size_t bytes, cudaStream_t stream) {
   const auto stream_id = reinterpret_cast<StreamId>(stream);
   DeviceScope scope(device_);
   std::lock_guard<std::mutex> lock(mutex_);
-  ++allocations_;
   void* data = free_.take(size_class, stream_id);
   if (data != nullptr) {
     ++reuses_;
@@ -115,6 +116,7 @@ void* DeviceBufferPool::allocate(size_t bytes, cudaStream_t stream) {
             std::to_string(reserved_bytes_) + " bytes in " + std::to_string(buffers_.size()) +
             ", " + std::to_string(in_use_) + " of them in use)");
   }
+  ++allocations_;
   Buffer& buffer = buffers_.at(reinterpret_cast<uintptr_t>(data));
   buffer.in_use = true;
   buffer.streams.assign(1, stream_id);
@@ -123,11 +125,8 @@ void* DeviceBufferPool::allocate(size_t bytes, cudaStream_t stream) {
 }
 
 uintptr_t DeviceBufferPool::base_of(const void* data, size_t bytes) const {
-  const auto address = reinterpret_cast<uintptr_t>(data);
-  auto it = buffers_.upper_bound(address);
-  if (it == buffers_.begin()) return 0;
-  --it;
-  return address + bytes <= it->first + it->second.size_class ? it->first : 0;
+  return base_holding(buffers_, reinterpret_cast<uintptr_t>(data), bytes,
+                      [](const Buffer& buffer) { return buffer.size_class; });
 }
 
 bool DeviceBufferPool::record_use(const void* data, cudaStream_t stream) {
@@ -136,7 +135,9 @@ bool DeviceBufferPool::record_use(const void* data, cudaStream_t stream) {
   if (base == 0) return false;
   Buffer& buffer = buffers_.at(base);
   const auto id = reinterpret_cast<StreamId>(stream);
-  if (!buffer.in_use) return true;  // a tensor holds it: not reached
+  // A tensor's storage holds its buffer, and the caller holds the tensor:
+  // a free buffer here would be a use after free, and has no streams to add.
+  if (!buffer.in_use) return true;
   for (StreamId known : buffer.streams) {
     if (known == id) return true;
   }
@@ -164,7 +165,11 @@ void DeviceBufferPool::release(void* data) noexcept {
     // than handed out early.
     return;
   }
-  free_.put(data, buffer.size_class, std::move(fences));
+  try {
+    free_.put(data, buffer.size_class, std::move(fences));
+  } catch (const std::bad_alloc&) {
+    // No memory for the free list's entry: the buffer stays out of use.
+  }
 }
 
 std::optional<IpcBuffer> DeviceBufferPool::locate(const void* data, size_t bytes) const {

@@ -33,7 +33,7 @@ struct DeviceBufferStats {
   size_t buffers = 0;         // made so far, in use or free
   size_t in_use = 0;          // handed out and not yet released
   size_t reserved_bytes = 0;  // total size of the buffers
-  size_t allocations = 0;     // allocate() calls so far
+  size_t allocations = 0;     // buffers handed out so far
   size_t reuses = 0;          // of which served from the free list
   size_t exported = 0;        // buffers with an IPC handle
 };
@@ -93,7 +93,8 @@ class DeviceBufferPool {
     std::vector<StreamId> streams;  // allocated on, then recorded
     std::optional<cudaIpcMemHandle_t> handle;
   };
-  // The base of the buffer holding [data, data + bytes), or 0 (mutex_ held).
+  // The base of the buffer holding [data, data + bytes), or 0 (mutex_ held;
+  // base_holding in buffer_ranges.h).
   uintptr_t base_of(const void* data, size_t bytes) const;
   // A new buffer from the device; nullptr when it has no memory left (mutex_ held).
   void* make_buffer(size_t size_class);

@@ -1,12 +1,15 @@
 // The reuse rule of the group's device buffers (device/stream_ordered_reuse.h,
 // Note [a freed buffer is reused in stream order]) with fences the test
-// passes by hand, and the device size classes. CUDA-free: the pool's CUDA
+// passes by hand, the device size classes and the lookup of the buffer that
+// holds a range (device/buffer_ranges.h). CUDA-free: the pool's CUDA
 // side runs in test/test_cuda.py on a GPU machine.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <memory>
 #include <vector>
 
+#include "device/buffer_ranges.h"
 #include "device/stream_ordered_reuse.h"
 
 namespace fsdp_ext::device {
@@ -131,6 +134,43 @@ TEST(DeviceSizeClass, FitsMonotonicAndAtMostAQuarterSlackAbove4KiB) {
     ASSERT_EQ(device_size_class(size_class), size_class) << bytes;  // a class is its own class
     previous = size_class;
   }
+}
+
+
+// Two buffers back to back (as two cudaMallocs of one 2 MiB chunk may be)
+// and a third after a gap.
+std::map<uintptr_t, size_t> back_to_back_buffers() {
+  return {{0x1000, 0x200}, {0x1200, 0x400}, {0x2000, 0x200}};
+}
+
+uintptr_t holder(uintptr_t address, size_t bytes) {
+  return base_holding(back_to_back_buffers(), address, bytes, [](size_t size) { return size; });
+}
+
+TEST(BaseHolding, EveryByteOfABufferIsItsOwnAndNoneOutside) {
+  EXPECT_EQ(holder(0x1000, 0x200), 0x1000u);  // the whole buffer
+  EXPECT_EQ(holder(0x1000, 1), 0x1000u);
+  EXPECT_EQ(holder(0x11ff, 1), 0x1000u);  // its last byte
+  EXPECT_EQ(holder(0x1200, 1), 0x1200u);  // the next buffer's first
+  EXPECT_EQ(holder(0x0fff, 1), 0u);       // before the first buffer
+  EXPECT_EQ(holder(0x1600, 1), 0u);       // in the gap
+  EXPECT_EQ(holder(0x2200, 1), 0u);       // past the last
+}
+
+TEST(BaseHolding, AnEmptyRangeAtTheEndOfABufferIsNotInIt) {
+  // A tensor whose storage starts right after a buffer (torch's memory, or a
+  // neighbouring allocation) must not be taken for one of the pool's.
+  EXPECT_EQ(holder(0x1600, 0), 0u);
+  EXPECT_EQ(holder(0x2200, 0), 0u);
+  EXPECT_EQ(holder(0x1200, 0), 0x1200u);  // the start of the next one
+  EXPECT_EQ(holder(0x11ff, 0), 0x1000u);
+}
+
+TEST(BaseHolding, ARangeCrossingIntoTheNextBufferIsInNeither) {
+  EXPECT_EQ(holder(0x1100, 0x100), 0x1000u);
+  EXPECT_EQ(holder(0x1100, 0x101), 0u);  // one byte into the next buffer
+  EXPECT_EQ(holder(0x1000, 0x600), 0u);  // both buffers
+  EXPECT_EQ(holder(0x1fff, 2), 0u);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <list>
 #include <map>
@@ -52,7 +53,7 @@ class PeerMemoryMap {
     return static_cast<char*>(base_of(peer, buffer)) + buffer.offset;
   }
   size_t size() const { return opened_.size(); }
-  uint64_t opens() const { return opens_; }  // handles opened so far (cache misses)
+  uint64_t opens() const { return opens_.load(); }  // handles opened so far (cache misses)
 
  private:
   using Key = std::pair<int, std::array<char, sizeof(cudaIpcMemHandle_t)>>;
@@ -68,7 +69,7 @@ class PeerMemoryMap {
   size_t capacity_;
   std::map<Key, Entry> opened_;
   std::list<Key> lru_;  // most recently used first
-  uint64_t opens_ = 0;
+  std::atomic<uint64_t> opens_{0};  // read by counters on any thread
 };
 
 }  // namespace fsdp_ext::device

@@ -275,6 +275,10 @@ WorkPtr IpcRoute::run(const OpLabel& label, CudaOp& op) {
   if (!exchange_buffers(label, op.inputs, op.timeout, &peer, &failure)) {
     return path_.run_staged(label, op);
   }
+  // Before anything is enqueued: whatever a later round raises, the tensors'
+  // memory is then not reused before the group's stream is done with it
+  // (peers' reads are ordered before that stream's end by the `done` round).
+  path_.record_stream(op);
   const auto guarded = [&failure](auto&& enqueue) {
     if (!failure.empty()) return;
     try {
@@ -362,7 +366,6 @@ WorkPtr IpcRoute::run(const OpLabel& label, CudaOp& op) {
       TORCH_INTERNAL_ASSERT(false, "the IPC route got an op it does not implement");
   }
   all_recorded(label, *done_, peer_done_, op.timeout, failure);
-  path_.record_stream(op);
   return c10::make_intrusive<CudaWork>(rank, c10d::OpType::UNKNOWN, label.op, op.outputs,
                                        path_.stream());
 }

@@ -460,6 +460,34 @@ def test_no_buffers_where_peers_cannot_read_them():
         assert "supports_tensor_alloc" in message, message
 
 
+def check_offered_once_the_route_is_chosen(ctx):
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    group = dist.new_group()  # no CUDA op on it yet (WORLD may have had some)
+    backend = group._get_backend(dev)
+    before = backend.supports_tensor_alloc(dev)
+    try:
+        backend.allocate_tensor(16, dtype=torch.float32, device=dev)
+        message = "no error"
+    except RuntimeError as error:
+        message = str(error)
+    dist.all_reduce(torch.ones(1, device=dev), group=group)  # two ranks, one GPU: IPC
+    found = before, message, backend.cuda_route, backend.supports_tensor_alloc(dev)
+    dist.destroy_process_group(group)
+    return found
+
+
+def test_buffers_offered_once_the_route_is_chosen():
+    """Without FSDP_EXT_CUDA_PATH the first CUDA op chooses the route (NCCL
+    for ranks with GPUs of their own, which does not read buffers in place):
+    no buffers before it, and on the IPC route after."""
+    for rank, (before, message, route, after) in enumerate(get_pool(2).run(
+            check_offered_once_the_route_is_chosen, timeout=CALL_TIMEOUT)):
+        assert not before, rank
+        assert f"rank {rank}/2" in message and "not chosen yet" in message, message
+        assert route.startswith("ipc") and after, (rank, route, after)
+
+
 @pytest.mark.skipif(not dist.is_nccl_available(), reason="this torch has no NCCL")
 def test_nccl_at_world_size_one():
     pool = get_pool(1, FSDP_EXT_CUDA_PATH="nccl")

@@ -19,9 +19,12 @@ bool FsdpExtBackend::supportsTensorAlloc(c10::DeviceIndex device_index) {
 }
 
 std::string FsdpExtBackend::why_no_cuda_buffers(int device) const {
-  // Offered where peers could read the buffers in place. Before the group's
-  // first CUDA op chooses its route, ranks of one host may take the IPC
-  // route (unless FSDP_EXT_CUDA_PATH rules it out); after, only that route.
+  // Offered where peers read the buffers in place: on the IPC route, so
+  // only once the group's first CUDA op has chosen it (ranks with GPUs of
+  // their own take NCCL, which neither reads them in place nor tells the
+  // pool which stream it used them on: a buffer could be handed out again
+  // while NCCL still reads it), or up front where FSDP_EXT_CUDA_PATH=ipc
+  // names it.
   if (!cuda_path_built()) return "this build of torch_fsdp_ext has no CUDA path";
   // (A CUDA build runs on machines without a GPU too.)
   const c10::DeviceIndex devices = c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount();
@@ -36,7 +39,11 @@ std::string FsdpExtBackend::why_no_cuda_buffers(int device) const {
     return "FSDP_EXT_CUDA_PATH=" + cuda_path_choice_;
   }
   std::lock_guard<std::mutex> lock(cuda_mutex_);
-  if (!cuda_) return "";
+  if (!cuda_) {
+    if (cuda_path_choice_ == "ipc") return "";
+    return "its route for CUDA tensors is not chosen yet (its first CUDA op chooses it; "
+           "FSDP_EXT_CUDA_PATH=ipc chooses the one that reads buffers in place up front)";
+  }
   if (cuda_device_ != device) {
     return "its CUDA ops run on cuda:" + std::to_string(cuda_device_);
   }

@@ -161,6 +161,14 @@ def test_bad_input(pool):
 def check_no_cuda_buffers_without_a_gpu(ctx):
     from torch_fsdp_ext import _build_info
 
+    # Entering a FakeTensorMode (as torch.compile, DTensor and FSDP's memory
+    # tools do) on a machine without a GPU swaps c10's CUDA device guard for
+    # a fake one with eight devices, which must not make the group think
+    # there is a cuda:0.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        pass
     be = dist.group.WORLD._get_backend(torch.device("cpu"))
     cuda0 = torch.device("cuda", 0)
     where = [f"rank {ctx.rank}/{ctx.world_size}", "allocate_tensor"]

@@ -4,7 +4,6 @@
 #include "backend/fsdp_ext_backend.hpp"
 
 #include <ATen/ops/from_blob.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
 #include <string>
@@ -27,7 +26,7 @@ std::string FsdpExtBackend::why_no_cuda_buffers(int device) const {
   // names it.
   if (!cuda_path_built()) return "this build of torch_fsdp_ext has no CUDA path";
   // (A CUDA build runs on machines without a GPU too.)
-  const c10::DeviceIndex devices = c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount();
+  const int devices = cuda_device_count();
   if (device >= devices) {
     return "this machine has " + std::to_string(devices) + " CUDA device" +
            (devices == 1 ? "" : "s") + ", no cuda:" + std::to_string(device);
@@ -60,9 +59,8 @@ at::Tensor FsdpExtBackend::allocateTensor(long size, at::TensorOptions options) 
                                 "torch, or with FSDP_EXT_CUDA=OFF)");
     // A device without an index is the current one (0 on a machine
     // without a GPU, which why_no_cuda_buffers names).
-    const c10::impl::DeviceGuardImplInterface* cuda = c10::impl::getDeviceGuardImpl(c10::kCUDA);
     const int device = options.device().has_index() ? options.device().index()
-                       : cuda->deviceCount() > 0    ? cuda->getDevice().index()
+                       : cuda_device_count() > 0    ? cuda_current_device()
                                                     : 0;
     const std::string why_not = why_no_cuda_buffers(device);
     TORCH_CHECK(why_not.empty(), l.prefix(), "this group does not hand out buffers on cuda:",

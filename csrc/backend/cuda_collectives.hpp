@@ -107,6 +107,13 @@ class CudaBuffers {
 
 // Whether this build has the CUDA path (false: cuda_unavailable.cpp).
 bool cuda_path_built();
+// The CUDA devices the runtime sees (0 without a GPU or without the CUDA
+// path), and the current one. Asked of the CUDA runtime, not of c10's device
+// guard: on a machine without a GPU, entering a FakeTensorMode (torch.compile,
+// DTensor, FSDP's memory tools) replaces the CUDA guard by a fake one that
+// reports eight devices.
+int cuda_device_count();
+int cuda_current_device();
 // The group's device buffers on `device` (-1: the current device). A build
 // without CUDA throws NotImplementedError naming the op.
 std::shared_ptr<CudaBuffers> make_cuda_buffers(const OpLabel& label, int device);

@@ -21,6 +21,10 @@ namespace {
 
 bool cuda_path_built() { return false; }
 
+int cuda_device_count() { return 0; }
+
+int cuda_current_device() { return -1; }
+
 std::shared_ptr<CudaCollectives> make_cuda_collectives(FsdpExtBackend&, const OpLabel& label,
                                                        int, const std::string&,
                                                        const NcclFactory&) {

@@ -11,6 +11,10 @@ namespace fsdp_ext::backend {
 
 bool cuda_path_built() { return true; }
 
+int cuda_device_count() { return c10::cuda::device_count(); }
+
+int cuda_current_device() { return c10::cuda::current_device(); }
+
 std::shared_ptr<CudaBuffers> make_cuda_buffers(const OpLabel& label, int device) {
   try {
     return std::make_shared<GroupCudaBuffers>(device >= 0 ? device : c10::cuda::current_device());

@@ -57,9 +57,24 @@ CudaCollectives* FsdpExtBackend::cuda_route(const OpLabel& label,
 }
 
 namespace {
-// The backend whose CUDA op this thread is running (its CPU ops bypass an
-// open coalescing batch), or nullptr.
+// The backend whose CUDA op this thread is running (its CPU ops, the host
+// rounds of the CUDA path, bypass an open coalescing batch), or nullptr.
 thread_local const FsdpExtBackend* running_cuda_op_of = nullptr;
+
+// Sets running_cuda_op_of for a scope; restores the outer value on exit,
+// also by an exception.
+class RunningCudaOp {
+ public:
+  explicit RunningCudaOp(const FsdpExtBackend* group) : outer_(running_cuda_op_of) {
+    running_cuda_op_of = group;
+  }
+  ~RunningCudaOp() { running_cuda_op_of = outer_; }
+  RunningCudaOp(const RunningCudaOp&) = delete;
+  RunningCudaOp& operator=(const RunningCudaOp&) = delete;
+
+ private:
+  const FsdpExtBackend* outer_;
+};
 }  // namespace
 
 bool FsdpExtBackend::coalescing_on_this_thread() const {
@@ -73,16 +88,11 @@ WorkPtr FsdpExtBackend::run_on_cuda(CudaCollectives& cuda, const OpLabel& label,
     std::lock_guard<std::mutex> lock(coalescing_mutex_);
     in_batch = coalescing_on_this_thread();
   }
-  const FsdpExtBackend* outer = running_cuda_op_of;
-  running_cuda_op_of = this;
   WorkPtr work;
-  try {
+  {
+    const RunningCudaOp running(this);
     work = cuda.run(label, std::move(op));
-  } catch (...) {
-    running_cuda_op_of = outer;
-    throw;
   }
-  running_cuda_op_of = outer;
   if (in_batch) {
     std::lock_guard<std::mutex> lock(coalescing_mutex_);
     coalesced_cuda_works_.push_back(work);
@@ -97,6 +107,10 @@ std::string FsdpExtBackend::cuda_route_description() const {
 
 std::vector<std::vector<uint8_t>> FsdpExtBackend::exchange_bytes(
     const OpLabel& label, const std::vector<uint8_t>& local, std::chrono::milliseconds timeout) {
+  // A host round runs now, also inside a coalescing batch (the path is
+  // made at the group's first CUDA op, which may be the batch's first):
+  // queued in the batch, its wait below would never return.
+  const RunningCudaOp running(this);
   const auto bytes = static_cast<int64_t>(local.size());
   at::Tensor input = at::empty({bytes}, at::kByte);
   if (bytes > 0) std::memcpy(input.data_ptr(), local.data(), local.size());

@@ -523,6 +523,81 @@ def test_bad_input_is_a_clear_error():
         assert "BAND" in bitwise or "bitwise" in bitwise, bitwise
 
 
+def check_edges_of_a_new_group(ctx):
+    """A new group whose first CUDA op is a coalesced batch's first (the route
+    is chosen by host rounds that must not wait in that batch), tensors whose
+    sizes differ between ranks (refused on every rank before any rank reads a
+    peer's memory), and the group destroyed with an op not waited for."""
+    torch.cuda.set_device(0)
+    rank, world = ctx.rank, ctx.world_size
+    dev = torch.device("cuda", 0)
+    found = {}
+    group = dist.new_group()
+    sizes = [1, 3, 8191]
+    ins = [values(rank + s, s, torch.float32, dev) for s in sizes]
+    outs = [torch.empty(world * s, device=dev) for s in sizes]
+    with dist._coalescing_manager(group=group, device=dev, async_ops=True) as cm:
+        for o, i in zip(outs, ins):
+            dist.all_gather_into_tensor(o, i, group=group)
+    cm.wait()
+    found["first op coalesced"] = all(
+        torch.equal(o.cpu(), torch.cat([values(r + s, s, torch.float32) for r in range(world)]))
+        for o, s in zip(outs, sizes))
+    found["route"] = group._get_backend(dev).cuda_route
+    try:
+        dist.all_reduce(torch.ones(8 + rank, device=dev), group=group)
+        found["sizes differ"] = "no error"
+    except ValueError as error:
+        found["sizes differ"] = str(error)
+    t = torch.ones(3, device=dev)
+    dist.all_reduce(t, group=group)
+    found["goes on"] = torch.equal(t.cpu(), torch.full((3,), float(world)))
+    big = torch.ones(1 << 24, device=dev)
+    torch.cuda._sleep(20_000_000)
+    dist.all_reduce(big, group=group, async_op=True)
+    dist.destroy_process_group(group)
+    t = torch.ones(3, device=dev)
+    dist.all_reduce(t)
+    found["after destroy"] = torch.equal(t.cpu(), torch.full((3,), float(world)))
+    return found
+
+
+def test_edges_of_a_new_group():
+    for rank, found in enumerate(get_pool(2, FSDP_EXT_CUDA_PATH="ipc").run(
+            check_edges_of_a_new_group, timeout=CALL_TIMEOUT)):
+        assert found["first op coalesced"] and found["route"].startswith("ipc"), (rank, found)
+        message = found["sizes differ"]
+        assert "differ between ranks" in message and f"rank {rank}/2" in message, message
+        assert f"rank {1 - rank} passed {4 * (9 - rank)} bytes" in message, message
+        assert found["goes on"] and found["after destroy"], (rank, found)
+
+
+def check_broadcast_reads_only_the_root(ctx):
+    """Under expandable segments torch's memory has no IPC handle: a
+    broadcast from a group buffer to torch's memory is not staged, since
+    only the root's buffer is read."""
+    torch.cuda.set_device(0)
+    rank = ctx.rank
+    dev = torch.device("cuda", 0)
+    backend = dist.group.WORLD._get_backend(dev)
+    n = 8191
+    if rank == 0:
+        t = backend.allocate_tensor(n, dtype=torch.float32, device=dev)
+        t.copy_(values(0, n, torch.float32, dev))
+    else:
+        t = torch.zeros(n, device=dev)
+    before = backend._cuda_counters()["staged_ops"]
+    dist.broadcast(t, src=0)
+    staged = backend._cuda_counters()["staged_ops"] - before
+    return torch.equal(t.cpu(), values(0, n, torch.float32)), staged
+
+
+def test_broadcast_reads_only_the_root():
+    for rank, (right, staged) in enumerate(get_pool(2, FSDP_EXT_CUDA_PATH="ipc", **EXPANDABLE).run(
+            check_broadcast_reads_only_the_root, timeout=CALL_TIMEOUT)):
+        assert right and staged == 0, (rank, right, staged)
+
+
 def check_point_to_point_first(ctx):
     """A send/recv as a new group's first CUDA op: refused at once on both
     ends (two ranks cannot choose the group's route for all), no hang."""

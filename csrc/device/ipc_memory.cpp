@@ -36,6 +36,7 @@ void* PeerMemoryMap::base_of(int peer, const IpcBuffer& buffer) {
   auto found = opened_.find(key);
   if (found != opened_.end()) {
     lru_.splice(lru_.begin(), lru_, found->second.age);
+    found->second.last_op = op_;
     return found->second.base;
   }
   void* base = nullptr;
@@ -43,8 +44,13 @@ void* PeerMemoryMap::base_of(int peer, const IpcBuffer& buffer) {
              "cudaIpcOpenMemHandle (a peer's buffer)");
   ++opens_;
   lru_.push_front(key);
-  opened_.emplace(key, Entry{base, lru_.begin()});
+  opened_.emplace(key, Entry{base, lru_.begin(), op_});
   return base;
+}
+
+bool PeerMemoryMap::oldest_is_from_an_earlier_op() const {
+  // lru_ is in order of use: if its last entry is the current op's, all are.
+  return !lru_.empty() && opened_.at(lru_.back()).last_op != op_;
 }
 
 void PeerMemoryMap::evict_oldest() {

@@ -34,7 +34,10 @@ std::optional<IpcBuffer> export_buffer(void* allocation_base, void* data);
 
 // The peers' allocations this process has opened, by peer and handle. Closes
 // them all on destruction; at most `capacity` stay open (the least recently
-// used is closed first, after `drain` has made sure no queued work reads it).
+// used is closed first, after `drain` has made sure no queued work reads it),
+// but never one the current op (since begin_op) uses: its pointer is already
+// handed out, and its reads are not enqueued yet. An op that needs more keeps
+// them all open until a later op evicts.
 class PeerMemoryMap {
  public:
   explicit PeerMemoryMap(size_t capacity = 512) : capacity_(capacity) {}
@@ -46,12 +49,15 @@ class PeerMemoryMap {
   // `drain` is called before an eviction closes an older mapping.
   template <typename Drain>
   void* open(int peer, const IpcBuffer& buffer, Drain&& drain) {
-    if (opened_.size() >= capacity_ && !find(peer, buffer)) {
+    if (opened_.size() >= capacity_ && !find(peer, buffer) && oldest_is_from_an_earlier_op()) {
       drain();
       evict_oldest();
     }
     return static_cast<char*>(base_of(peer, buffer)) + buffer.offset;
   }
+  // An op begins: the mappings it opens or uses from here on stay open
+  // until the next begin_op.
+  void begin_op() { ++op_; }
   size_t size() const { return opened_.size(); }
   uint64_t opens() const { return opens_.load(); }  // handles opened so far (cache misses)
 
@@ -60,15 +66,18 @@ class PeerMemoryMap {
   struct Entry {
     void* base;
     std::list<Key>::iterator age;  // position in lru_
+    uint64_t last_op;              // the op that used it last (op_)
   };
   static Key key_of(int peer, const IpcBuffer& buffer);
   bool find(int peer, const IpcBuffer& buffer) const;
   void* base_of(int peer, const IpcBuffer& buffer);
   void evict_oldest();
+  bool oldest_is_from_an_earlier_op() const;
 
   size_t capacity_;
   std::map<Key, Entry> opened_;
   std::list<Key> lru_;  // most recently used first
+  uint64_t op_ = 0;
   std::atomic<uint64_t> opens_{0};  // read by counters on any thread
 };
 

@@ -27,6 +27,10 @@ struct CudaIdentity {
   std::array<char, 16> gpu{};    // the GPU's UUID
   std::array<char, 8> choice{};  // FSDP_EXT_CUDA_PATH
   int32_t device = -1;
+  // Why this rank cannot make the path (empty: it can). Carried by the
+  // exchange so that every rank raises it together; a rank that raised
+  // before the exchange would leave its peers waiting for the timeout.
+  std::array<char, 384> failure{};
 };
 
 template <size_t N>
@@ -49,23 +53,36 @@ CudaPath::CudaPath(FsdpExtBackend& group, const OpLabel& label, int device,
       stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true,
                                            static_cast<c10::DeviceIndex>(device))) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  // In a build with this path every CudaBuffers is a GroupCudaBuffers
-  // (make_cuda_buffers, cuda_buffers.cpp); made here if no allocation came
-  // first, as the IPC route's probe takes its buffer from it.
-  buffers_ = std::static_pointer_cast<GroupCudaBuffers>(group.cuda_buffers(label, device));
   const std::chrono::milliseconds timeout = group.default_timeout();
   CudaIdentity mine;
   copy_text(mine.host, this_host());
-  cudaDeviceProp properties{};
-  device::check_cuda(cudaGetDeviceProperties(&properties, device), "cudaGetDeviceProperties");
-  std::memcpy(mine.gpu.data(), &properties.uuid, sizeof(mine.gpu));
   copy_text(mine.choice, choice);
   mine.device = device;
+  try {
+    // In a build with this path every CudaBuffers is a GroupCudaBuffers
+    // (make_cuda_buffers, cuda_buffers.cpp); made here if no allocation
+    // came first, as the IPC route's probe takes its buffer from it. (It
+    // refuses a device other than the one earlier allocations used.)
+    buffers_ = std::static_pointer_cast<GroupCudaBuffers>(group.cuda_buffers(label, device));
+    cudaDeviceProp properties{};
+    device::check_cuda(cudaGetDeviceProperties(&properties, device), "cudaGetDeviceProperties");
+    std::memcpy(mine.gpu.data(), &properties.uuid, sizeof(mine.gpu));
+  } catch (const c10::Error& error) {
+    copy_text(mine.failure, error.what_without_backtrace());
+  } catch (const std::exception& error) {
+    copy_text(mine.failure, error.what());
+  }
   std::vector<uint8_t> record(sizeof(mine));
   std::memcpy(record.data(), &mine, sizeof(mine));
   std::vector<CudaIdentity> ranks(size_);
   const auto records = group.exchange_bytes(label, record, timeout);
   for (int r = 0; r < size_; ++r) std::memcpy(&ranks[r], records[r].data(), sizeof(CudaIdentity));
+  for (int r = 0; r < size_; ++r) {
+    const std::string failure(ranks[r].failure.data(), strnlen(ranks[r].failure.data(),
+                                                                ranks[r].failure.size()));
+    TORCH_CHECK(failure.empty(), label.prefix(), "rank ", r,
+                " could not set up its CUDA path, so no rank does: ", failure);
+  }
 
   // Every rank decides from the same records, so all take the same route.
   std::set<std::string> hosts;
@@ -136,7 +153,18 @@ CudaPath::CudaPath(FsdpExtBackend& group, const OpLabel& label, int device,
   }
 }
 
-CudaPath::~CudaPath() = default;
+CudaPath::~CudaPath() {
+  // Work the group's stream still has queued reads peers' mappings and
+  // waits on shared events, which the routes close and destroy next: let it
+  // finish first (Work.wait() orders streams, it does not wait for them).
+  // A device that failed, or a runtime going away at exit, has nothing more
+  // to say here.
+  try {
+    stream_.synchronize();
+  } catch (const std::exception&) {
+    cudaGetLastError();
+  }
+}
 
 void CudaPath::shutdown() {
   if (nccl_) nccl_->shutdown();

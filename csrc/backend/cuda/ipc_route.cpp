@@ -184,18 +184,24 @@ std::unique_ptr<IpcRoute> IpcRoute::try_create(CudaPath& path, const OpLabel& la
 }
 
 bool IpcRoute::exchange_buffers(const OpLabel& label, const std::vector<at::Tensor>& shared,
-                                std::chrono::milliseconds timeout,
+                                int read_from, std::chrono::milliseconds timeout,
                                 std::vector<std::vector<void*>>* peer_pointers,
                                 std::string* failure_here) {
   const int size = path_.size();
   const int rank = path_.rank();
   RecordWriter mine;
   std::vector<device::IpcBuffer> exports;
-  std::string failure;
+  // A failure before this round (failure_here) is carried by it and raised
+  // on every rank; kNoHandle makes every rank stage the op.
+  std::string failure = *failure_here;
+  // Only a buffer some peer reads is exported (a broadcast's root's).
+  const bool read_by_peers = read_from < 0 || read_from == rank;
   for (const at::Tensor& tensor : shared) {
+    if (!failure.empty()) break;
     std::optional<device::IpcBuffer> exported =
-        tensor.numel() == 0 ? std::optional<device::IpcBuffer>(device::IpcBuffer{})
-                            : export_tensor(path_.buffers(), tensor);
+        tensor.numel() == 0 || !read_by_peers
+            ? std::optional<device::IpcBuffer>(device::IpcBuffer{})
+            : export_tensor(path_.buffers(), tensor);
     if (!exported) {
       failure = kNoHandle;
       break;
@@ -205,26 +211,66 @@ bool IpcRoute::exchange_buffers(const OpLabel& label, const std::vector<at::Tens
   exports.resize(shared.size());
   mine.put<uint8_t>(failure.empty());
   mine.put_reason(failure);
+  // (The count first: records of ranks that pass different counts differ in
+  // length, which the host round itself refuses on every rank.)
   mine.put<uint32_t>(static_cast<uint32_t>(shared.size()));
-  for (const device::IpcBuffer& buffer : exports) mine.put(buffer);
+  for (size_t i = 0; i < shared.size(); ++i) {
+    mine.put(exports[i]);
+    mine.put<uint64_t>(shared[i].nbytes());
+    mine.put<int32_t>(static_cast<int32_t>(shared[i].scalar_type()));
+  }
   const auto records = path_.group().exchange_bytes(label, mine.bytes(), timeout);
-  if (!first_failure(records).empty()) return false;
-
-  peer_pointers->assign(size, std::vector<void*>(shared.size(), nullptr));
-  const auto drain = [this] { path_.stream().synchronize(); };
+  failure_here->clear();
+  bool staged = false;
+  for (int peer = 0; peer < size; ++peer) {
+    RecordReader reader(records[peer]);
+    const bool ok = reader.get<uint8_t>() != 0;
+    const std::string reason = reader.get_reason();
+    if (ok) continue;
+    if (reason != kNoHandle) {
+      C10_THROW_ERROR(DistBackendError, label.prefix() + "rank " + std::to_string(peer) + ": " +
+                                            reason);
+    }
+    staged = true;
+  }
+  // Every rank sees every record and checks each against its own: a
+  // mismatch is refused on every rank, before any reads a peer's memory.
   for (int peer = 0; peer < size; ++peer) {
     RecordReader reader(records[peer]);
     reader.get<uint8_t>();
     reader.get_reason();
     const auto count = reader.get<uint32_t>();
-    // Every rank sees every record: a mismatch is refused on every rank.
     TORCH_CHECK_VALUE(count == shared.size(), label.prefix(), "rank ", peer, " passed ", count,
                       " tensors where this rank passed ", shared.size());
     for (size_t i = 0; i < shared.size(); ++i) {
+      reader.get<device::IpcBuffer>();
+      const auto bytes = reader.get<uint64_t>();
+      const auto dtype = static_cast<c10::ScalarType>(reader.get<int32_t>());
+      TORCH_CHECK_VALUE(bytes == shared[i].nbytes() && dtype == shared[i].scalar_type(),
+                        label.prefix(), "tensor sizes or dtypes differ between ranks: rank ",
+                        peer, " passed ", bytes, " bytes of ", dtype, " as tensor ", i,
+                        " where this rank passed ", shared[i].nbytes(), " bytes of ",
+                        shared[i].scalar_type());
+    }
+  }
+  if (staged) return false;
+
+  peer_pointers->assign(size, std::vector<void*>(shared.size(), nullptr));
+  peer_memory_.begin_op();
+  const auto drain = [this] { path_.stream().synchronize(); };
+  for (int peer = 0; peer < size; ++peer) {
+    RecordReader reader(records[peer]);
+    reader.get<uint8_t>();
+    reader.get_reason();
+    reader.get<uint32_t>();
+    for (size_t i = 0; i < shared.size(); ++i) {
       const auto buffer = reader.get<device::IpcBuffer>();
+      reader.get<uint64_t>();
+      reader.get<int32_t>();
       if (peer == rank) {
         (*peer_pointers)[peer][i] = shared[i].data_ptr();
-      } else if (shared[i].numel() > 0 && failure_here->empty()) {
+      } else if (shared[i].numel() > 0 && (read_from < 0 || peer == read_from) &&
+                 failure_here->empty()) {
         // A peer's buffer that cannot be opened fails this rank's part; the
         // next host round tells the others (they are already past this one).
         try {
@@ -238,7 +284,7 @@ bool IpcRoute::exchange_buffers(const OpLabel& label, const std::vector<at::Tens
   return true;
 }
 
-void IpcRoute::all_recorded(const OpLabel& label, device::SharedEvent& event,
+std::string IpcRoute::all_recorded(const OpLabel& label, device::SharedEvent& event,
                             const std::vector<std::unique_ptr<device::PeerEvent>>& peers,
                             std::chrono::milliseconds timeout, std::string failure_here) {
   if (failure_here.empty()) {
@@ -255,9 +301,14 @@ void IpcRoute::all_recorded(const OpLabel& label, device::SharedEvent& event,
                                                                          timeout));
   // Every rank has the same records: all fail here together, none waits on.
   if (!failure.empty()) C10_THROW_ERROR(DistBackendError, label.prefix() + failure);
-  for (int peer = 0; peer < path_.size(); ++peer) {
-    if (peer != path_.rank()) peers[peer]->wait(path_.stream().stream());
+  try {
+    for (int peer = 0; peer < path_.size(); ++peer) {
+      if (peer != path_.rank()) peers[peer]->wait(path_.stream().stream());
+    }
+  } catch (const std::exception& error) {
+    return error.what();
   }
+  return "";
 }
 
 WorkPtr IpcRoute::run(const OpLabel& label, CudaOp& op) {
@@ -265,20 +316,9 @@ WorkPtr IpcRoute::run(const OpLabel& label, CudaOp& op) {
   const int size = path_.size();
   const int rank = path_.rank();
   const cudaStream_t stream = path_.stream().stream();
-  path_.follow_current_stream();
-  ready_->record(stream);
-  std::vector<std::vector<void*>> peer;  // [rank][tensor]: where that rank's buffer is mapped
-  // This rank's failure after the handles' round: carried by the next round
-  // (`mid` or `done`), where every rank then raises it (Note [a failure
-  // between host rounds] in ipc_route.hpp).
+  // This rank's failure: carried by the next round, where every rank then
+  // raises it (Note [a failure between host rounds] in ipc_route.hpp).
   std::string failure;
-  if (!exchange_buffers(label, op.inputs, op.timeout, &peer, &failure)) {
-    return path_.run_staged(label, op);
-  }
-  // Before anything is enqueued: whatever a later round raises, the tensors'
-  // memory is then not reused before the group's stream is done with it
-  // (peers' reads are ordered before that stream's end by the `done` round).
-  path_.record_stream(op);
   const auto guarded = [&failure](auto&& enqueue) {
     if (!failure.empty()) return;
     try {
@@ -287,6 +327,19 @@ WorkPtr IpcRoute::run(const OpLabel& label, CudaOp& op) {
       failure = error.what();
     }
   };
+  guarded([&] {
+    path_.follow_current_stream();
+    ready_->record(stream);
+  });
+  std::vector<std::vector<void*>> peer;  // [rank][tensor]: where that rank's buffer is mapped
+  const int read_from = op.kind == CudaOp::Kind::kBroadcast ? op.root : -1;
+  if (!exchange_buffers(label, op.inputs, read_from, op.timeout, &peer, &failure)) {
+    return path_.run_staged(label, op);
+  }
+  // Before anything is enqueued: whatever a later round raises, the tensors'
+  // memory is then not reused before the group's stream is done with it
+  // (peers' reads are ordered before that stream's end by the `done` round).
+  guarded([&] { path_.record_stream(op); });
   guarded([&] {
     for (int p = 0; p < size; ++p) {
       if (p != rank) peer_ready_[p]->wait(stream);
@@ -342,7 +395,7 @@ WorkPtr IpcRoute::run(const OpLabel& label, CudaOp& op) {
                                    count, op.spec, stream);
         }
       });
-      all_recorded(label, *mid_, peer_mid_, op.timeout, failure);
+      failure = all_recorded(label, *mid_, peer_mid_, op.timeout, failure);
       guarded([&] {
         for (size_t i = 0; i < op.inputs.size(); ++i) {
           for (int p = 0; p < size; ++p) {
@@ -365,7 +418,10 @@ WorkPtr IpcRoute::run(const OpLabel& label, CudaOp& op) {
     case CudaOp::Kind::kOther:
       TORCH_INTERNAL_ASSERT(false, "the IPC route got an op it does not implement");
   }
-  all_recorded(label, *done_, peer_done_, op.timeout, failure);
+  // After the last round no peer waits for this rank: a wait it could not
+  // enqueue is raised here alone.
+  const std::string unordered = all_recorded(label, *done_, peer_done_, op.timeout, failure);
+  if (!unordered.empty()) C10_THROW_ERROR(DistBackendError, label.prefix() + unordered);
   return c10::make_intrusive<CudaWork>(rank, c10d::OpType::UNKNOWN, label.op, op.outputs,
                                        path_.stream());
 }

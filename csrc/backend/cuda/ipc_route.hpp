@@ -51,17 +51,23 @@ class IpcRoute {
  private:
   explicit IpcRoute(CudaPath& path) : path_(path) {}
 
-  // Steps 1-3: this rank's shared buffers exported and exchanged; false (on
-  // every rank) when some rank's buffer has no handle. A peer's buffer this
-  // rank cannot open sets `failure_here` (Note [a failure between host rounds]).
+  // Step 2: this rank's shared buffers exported and exchanged with their
+  // sizes and dtypes; false (on every rank) when some rank's buffer has no
+  // handle. Raises on every rank when a rank's `failure_here` came in set
+  // (a CUDA call before the round failed), or when the ranks' tensors differ
+  // in number, size or dtype: no rank then reads past a peer's buffer. A
+  // peer's buffer this rank cannot open sets `failure_here` (Note [a failure
+  // between host rounds]). `read_from` >= 0: peers read only that rank's
+  // buffers (a broadcast's root), the others are neither exported nor opened.
   bool exchange_buffers(const OpLabel& label, const std::vector<at::Tensor>& shared,
-                        std::chrono::milliseconds timeout,
+                        int read_from, std::chrono::milliseconds timeout,
                         std::vector<std::vector<void*>>* peer_pointers,
                         std::string* failure_here);
   // A host round in which every rank says it recorded `event` (or why it
   // failed: then every rank raises DistBackendError); then the stream waits
-  // for each peer's record of it.
-  void all_recorded(const OpLabel& label, device::SharedEvent& event,
+  // for each peer's record of it. Returns why that wait could not be
+  // enqueued ("" when it was), for the next round to carry.
+  std::string all_recorded(const OpLabel& label, device::SharedEvent& event,
                     const std::vector<std::unique_ptr<device::PeerEvent>>& peers,
                     std::chrono::milliseconds timeout, std::string failure_here);
 

@@ -439,17 +439,20 @@ def test_freed_buffers_are_reused_in_stream_order():
         assert all(found.values()), (rank, found)
 
 
+def allocation_refusal(backend, dev):
+    """What allocate_tensor raises on `dev` ("no error" when it allocates)."""
+    try:
+        backend.allocate_tensor(16, dtype=torch.float32, device=dev)
+        return "no error"
+    except RuntimeError as error:
+        return str(error)
+
+
 def check_no_buffers_on_staged_route(ctx):
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
     backend = dist.group.WORLD._get_backend(dev)
-    offered = backend.supports_tensor_alloc(dev)
-    try:
-        backend.allocate_tensor(16, dtype=torch.float32, device=dev)
-        message = "no error"
-    except RuntimeError as error:
-        message = str(error)
-    return offered, message
+    return backend.supports_tensor_alloc(dev), allocation_refusal(backend, dev)
 
 
 def test_no_buffers_where_peers_cannot_read_them():
@@ -466,11 +469,7 @@ def check_offered_once_the_route_is_chosen(ctx):
     group = dist.new_group()  # no CUDA op on it yet (WORLD may have had some)
     backend = group._get_backend(dev)
     before = backend.supports_tensor_alloc(dev)
-    try:
-        backend.allocate_tensor(16, dtype=torch.float32, device=dev)
-        message = "no error"
-    except RuntimeError as error:
-        message = str(error)
+    message = allocation_refusal(backend, dev)
     dist.all_reduce(torch.ones(1, device=dev), group=group)  # two ranks, one GPU: IPC
     found = before, message, backend.cuda_route, backend.supports_tensor_alloc(dev)
     dist.destroy_process_group(group)

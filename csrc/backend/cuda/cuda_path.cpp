@@ -38,7 +38,8 @@ void copy_text(std::array<char, N>& out, const std::string& text) {
   std::strncpy(out.data(), text.c_str(), N - 1);
 }
 
-std::string text_of(const std::array<char, 8>& text) {
+template <size_t N>
+std::string text_of(const std::array<char, N>& text) {
   return std::string(text.data(), strnlen(text.data(), text.size()));
 }
 
@@ -78,8 +79,7 @@ CudaPath::CudaPath(FsdpExtBackend& group, const OpLabel& label, int device,
   const auto records = group.exchange_bytes(label, record, timeout);
   for (int r = 0; r < size_; ++r) std::memcpy(&ranks[r], records[r].data(), sizeof(CudaIdentity));
   for (int r = 0; r < size_; ++r) {
-    const std::string failure(ranks[r].failure.data(), strnlen(ranks[r].failure.data(),
-                                                                ranks[r].failure.size()));
+    const std::string failure = text_of(ranks[r].failure);
     TORCH_CHECK(failure.empty(), label.prefix(), "rank ", r,
                 " could not set up its CUDA path, so no rank does: ", failure);
   }
@@ -92,7 +92,7 @@ CudaPath::CudaPath(FsdpExtBackend& group, const OpLabel& label, int device,
     TORCH_CHECK_VALUE(text_of(ranks[r].choice) == choice, label.prefix(),
                       "FSDP_EXT_CUDA_PATH is '", choice, "' here but '", text_of(ranks[r].choice),
                       "' on rank ", r, "; every rank must choose the same");
-    const std::string host(ranks[r].host.data(), strnlen(ranks[r].host.data(), 160));
+    const std::string host = text_of(ranks[r].host);
     hosts.insert(host);
     const bool fresh = gpus.insert({host, std::string(ranks[r].gpu.data(), 16)}).second;
     if (!fresh && shared_with < 0) shared_with = r;

@@ -102,6 +102,53 @@ const char* kNoHandle =
     "its buffer has no CUDA IPC handle (memory from cuMemCreate, e.g. "
     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)";
 
+// What a rank says of one tensor peers may read: where it is (empty for a
+// tensor no peer reads), and enough for every rank to check that all ranks
+// passed the same.
+struct SharedTensor {
+  device::IpcBuffer buffer{};
+  uint64_t bytes = 0;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+};
+
+// A rank's record of the buffers' round: an ok byte and a reason (every
+// round's), then its tensors. The count goes first: records of ranks that
+// pass different counts differ in length, which the host round itself
+// refuses on every rank.
+std::vector<uint8_t> write_shared_record(const std::string& failure,
+                                         const std::vector<SharedTensor>& tensors) {
+  RecordWriter record;
+  record.put<uint8_t>(failure.empty());
+  record.put_reason(failure);
+  record.put<uint32_t>(static_cast<uint32_t>(tensors.size()));
+  for (const SharedTensor& tensor : tensors) {
+    record.put(tensor.buffer);
+    record.put<uint64_t>(tensor.bytes);
+    record.put<int32_t>(static_cast<int32_t>(tensor.dtype));
+  }
+  return record.bytes();
+}
+
+struct SharedRecord {
+  bool ok = false;
+  std::string reason;
+  std::vector<SharedTensor> tensors;
+};
+
+SharedRecord read_shared_record(const std::vector<uint8_t>& bytes) {
+  RecordReader reader(bytes);
+  SharedRecord record;
+  record.ok = reader.get<uint8_t>() != 0;
+  record.reason = reader.get_reason();
+  record.tensors.resize(reader.get<uint32_t>());
+  for (SharedTensor& tensor : record.tensors) {
+    tensor.buffer = reader.get<device::IpcBuffer>();
+    tensor.bytes = reader.get<uint64_t>();
+    tensor.dtype = static_cast<c10::ScalarType>(reader.get<int32_t>());
+  }
+  return record;
+}
+
 }  // namespace
 
 std::unique_ptr<IpcRoute> IpcRoute::try_create(CudaPath& path, const OpLabel& label,
@@ -189,68 +236,51 @@ bool IpcRoute::exchange_buffers(const OpLabel& label, const std::vector<at::Tens
                                 std::string* failure_here) {
   const int size = path_.size();
   const int rank = path_.rank();
-  RecordWriter mine;
-  std::vector<device::IpcBuffer> exports;
+  // Only a buffer some peer reads is exported and opened (a broadcast's root's).
+  const auto read_by_peers = [read_from](int r) { return read_from < 0 || read_from == r; };
   // A failure before this round (failure_here) is carried by it and raised
   // on every rank; kNoHandle makes every rank stage the op.
   std::string failure = *failure_here;
-  // Only a buffer some peer reads is exported (a broadcast's root's).
-  const bool read_by_peers = read_from < 0 || read_from == rank;
-  for (const at::Tensor& tensor : shared) {
-    if (!failure.empty()) break;
-    std::optional<device::IpcBuffer> exported =
-        tensor.numel() == 0 || !read_by_peers
-            ? std::optional<device::IpcBuffer>(device::IpcBuffer{})
-            : export_tensor(path_.buffers(), tensor);
+  std::vector<SharedTensor> mine(shared.size());
+  for (size_t i = 0; i < shared.size(); ++i) {
+    mine[i].bytes = shared[i].nbytes();
+    mine[i].dtype = shared[i].scalar_type();
+    if (!failure.empty() || shared[i].numel() == 0 || !read_by_peers(rank)) continue;
+    std::optional<device::IpcBuffer> exported = export_tensor(path_.buffers(), shared[i]);
     if (!exported) {
       failure = kNoHandle;
-      break;
+      continue;
     }
-    exports.push_back(*exported);
+    mine[i].buffer = *exported;
   }
-  exports.resize(shared.size());
-  mine.put<uint8_t>(failure.empty());
-  mine.put_reason(failure);
-  // (The count first: records of ranks that pass different counts differ in
-  // length, which the host round itself refuses on every rank.)
-  mine.put<uint32_t>(static_cast<uint32_t>(shared.size()));
-  for (size_t i = 0; i < shared.size(); ++i) {
-    mine.put(exports[i]);
-    mine.put<uint64_t>(shared[i].nbytes());
-    mine.put<int32_t>(static_cast<int32_t>(shared[i].scalar_type()));
+  std::vector<SharedRecord> records;
+  for (const auto& bytes :
+       path_.group().exchange_bytes(label, write_shared_record(failure, mine), timeout)) {
+    records.push_back(read_shared_record(bytes));
   }
-  const auto records = path_.group().exchange_bytes(label, mine.bytes(), timeout);
   failure_here->clear();
   bool staged = false;
   for (int peer = 0; peer < size; ++peer) {
-    RecordReader reader(records[peer]);
-    const bool ok = reader.get<uint8_t>() != 0;
-    const std::string reason = reader.get_reason();
-    if (ok) continue;
-    if (reason != kNoHandle) {
-      C10_THROW_ERROR(DistBackendError, label.prefix() + "rank " + std::to_string(peer) + ": " +
-                                            reason);
+    const SharedRecord& record = records[peer];
+    if (record.ok) continue;
+    if (record.reason != kNoHandle) {
+      C10_THROW_ERROR(DistBackendError,
+                      label.prefix() + "rank " + std::to_string(peer) + ": " + record.reason);
     }
     staged = true;
   }
   // Every rank sees every record and checks each against its own: a
   // mismatch is refused on every rank, before any reads a peer's memory.
   for (int peer = 0; peer < size; ++peer) {
-    RecordReader reader(records[peer]);
-    reader.get<uint8_t>();
-    reader.get_reason();
-    const auto count = reader.get<uint32_t>();
-    TORCH_CHECK_VALUE(count == shared.size(), label.prefix(), "rank ", peer, " passed ", count,
-                      " tensors where this rank passed ", shared.size());
+    const std::vector<SharedTensor>& theirs = records[peer].tensors;
+    TORCH_CHECK_VALUE(theirs.size() == shared.size(), label.prefix(), "rank ", peer, " passed ",
+                      theirs.size(), " tensors where this rank passed ", shared.size());
     for (size_t i = 0; i < shared.size(); ++i) {
-      reader.get<device::IpcBuffer>();
-      const auto bytes = reader.get<uint64_t>();
-      const auto dtype = static_cast<c10::ScalarType>(reader.get<int32_t>());
-      TORCH_CHECK_VALUE(bytes == shared[i].nbytes() && dtype == shared[i].scalar_type(),
+      TORCH_CHECK_VALUE(theirs[i].bytes == mine[i].bytes && theirs[i].dtype == mine[i].dtype,
                         label.prefix(), "tensor sizes or dtypes differ between ranks: rank ",
-                        peer, " passed ", bytes, " bytes of ", dtype, " as tensor ", i,
-                        " where this rank passed ", shared[i].nbytes(), " bytes of ",
-                        shared[i].scalar_type());
+                        peer, " passed ", theirs[i].bytes, " bytes of ", theirs[i].dtype,
+                        " as tensor ", i, " where this rank passed ", mine[i].bytes,
+                        " bytes of ", mine[i].dtype);
     }
   }
   if (staged) return false;
@@ -259,22 +289,15 @@ bool IpcRoute::exchange_buffers(const OpLabel& label, const std::vector<at::Tens
   peer_memory_.begin_op();
   const auto drain = [this] { path_.stream().synchronize(); };
   for (int peer = 0; peer < size; ++peer) {
-    RecordReader reader(records[peer]);
-    reader.get<uint8_t>();
-    reader.get_reason();
-    reader.get<uint32_t>();
     for (size_t i = 0; i < shared.size(); ++i) {
-      const auto buffer = reader.get<device::IpcBuffer>();
-      reader.get<uint64_t>();
-      reader.get<int32_t>();
       if (peer == rank) {
         (*peer_pointers)[peer][i] = shared[i].data_ptr();
-      } else if (shared[i].numel() > 0 && (read_from < 0 || peer == read_from) &&
-                 failure_here->empty()) {
+      } else if (shared[i].numel() > 0 && read_by_peers(peer) && failure_here->empty()) {
         // A peer's buffer that cannot be opened fails this rank's part; the
         // next host round tells the others (they are already past this one).
         try {
-          (*peer_pointers)[peer][i] = peer_memory_.open(peer, buffer, drain);
+          (*peer_pointers)[peer][i] =
+              peer_memory_.open(peer, records[peer].tensors[i].buffer, drain);
         } catch (const std::exception& error) {
           *failure_here = "opening rank " + std::to_string(peer) + "'s buffer: " + error.what();
         }

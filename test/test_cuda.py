@@ -24,6 +24,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import torch_fsdp_ext
+
 from conftest import REQUIRES_CUDA, get_pool
 
 pytestmark = REQUIRES_CUDA
@@ -357,7 +359,7 @@ def check_group_buffers_in_place(ctx):
                 torch.cuda.synchronize()
         if round_ == 0:
             counters.append(backend._cuda_counters())
-    counters.append(backend._cuda_counters())
+    counters.append(dict(backend._cuda_counters(), route=backend.cuda_route))
     expect(f"route reads in place: {backend.cuda_route}", backend.cuda_route.startswith("ipc"))
     expect("supports_tensor_alloc on the IPC route", backend.supports_tensor_alloc(dev))
     # torch's memory under expandable segments: no handle, the op is staged.
@@ -370,11 +372,20 @@ def check_group_buffers_in_place(ctx):
     return failures, counters
 
 
-def test_group_buffers_are_read_in_place():
-    pool = get_pool(2, FSDP_EXT_CUDA_PATH="ipc", **EXPANDABLE)
+# How the group's buffers are shared (FSDP_EXT_CUDA_IPC_HANDLES): legacy IPC
+# handles, or file descriptors of cuMemCreate memory (where a machine refuses
+# legacy handles; forced here, so that both run wherever one GPU is).
+SHARING = {"legacy": "buffers shared by legacy IPC handles",
+           "descriptors": "the group's own buffers shared as file descriptors"}
+
+
+@pytest.mark.parametrize("handles", sorted(SHARING))
+def test_group_buffers_are_read_in_place(handles):
+    pool = get_pool(2, FSDP_EXT_CUDA_PATH="ipc", FSDP_EXT_CUDA_IPC_HANDLES=handles, **EXPANDABLE)
     for rank, (failures, (first, last, staged)) in enumerate(
             pool.run(check_group_buffers_in_place, timeout=CALL_TIMEOUT)):
         assert not failures, (rank, failures)
+        assert SHARING[handles] in last["route"], (rank, last["route"])
         # Nothing staged, each peer buffer opened once: round 1 opened all
         # there are, the next 19 reused the same buffers.
         assert last["staged_ops"] == 0, (rank, last)
@@ -384,6 +395,49 @@ def test_group_buffers_are_read_in_place():
         assert last["reuses"] >= 19 * 2 * 4 * 4, (rank, last)  # rounds x dtypes x sizes x buffers
         assert last["buffers_in_use"] == 0, (rank, last)
         assert staged["staged_ops"] == 1, (rank, staged)
+
+
+def check_fallback_to_descriptors(ctx):
+    """A group whose ranks cannot make legacy IPC handles (refused here by the
+    test hook, as some virtual machines refuse them) falls back to file
+    descriptors: an all-reduce on torch's memory (set-up, then staged), then
+    all-reduces on buffers from the group, one of them in the size class of
+    the legacy probe's buffer, which must not be handed out again."""
+    torch.cuda.set_device(0)
+    rank, world = ctx.rank, ctx.world_size
+    dev = torch.device("cuda", 0)
+    torch_fsdp_ext._C._refuse_legacy_cuda_ipc_for_tests(True)
+    try:
+        group = dist.new_group()
+        backend = group._get_backend(dev)
+        first = torch.ones(4, device=dev)
+        dist.all_reduce(first, group=group)
+        right = [torch.equal(first.cpu(), torch.full((4,), float(world)))]
+        for n in (1, 64, 8191):  # 64 floats: 256 bytes, the probe's size class
+            buffer = backend.allocate_tensor(n, dtype=torch.float32, device=dev)
+            buffer.copy_(values(rank, n, torch.float32, dev))
+            dist.all_reduce(buffer, group=group)
+            expected = reference("sum", [values(r, n, torch.float32) for r in range(world)],
+                                 torch.float32, world)
+            right.append(torch.equal(buffer.cpu(), expected))
+        found = (backend.cuda_route, right, backend._cuda_counters())
+        dist.destroy_process_group(group)
+        return found
+    finally:
+        torch_fsdp_ext._C._refuse_legacy_cuda_ipc_for_tests(False)
+
+
+def test_refused_legacy_handles_fall_back_to_descriptors():
+    for rank, (route, right, counters) in enumerate(get_pool(2, FSDP_EXT_CUDA_PATH="auto").run(
+            check_fallback_to_descriptors, timeout=CALL_TIMEOUT)):
+        assert route.startswith("ipc") and SHARING["descriptors"] in route, (rank, route)
+        assert "legacy IPC handles: rank 0: cudaIpcGetMemHandle refused a buffer of the group" \
+            in route, (rank, route)
+        assert all(right), (rank, right)
+        # Only the op on torch's memory staged: the group's buffers were read
+        # in place, also the one of the probe's size class.
+        assert counters["staged_ops"] == 1, (rank, counters)
+        assert counters["buffers_exported"] == counters["buffers"] - 1, (rank, counters)
 
 
 def check_stream_ordered_reuse(ctx):

@@ -541,6 +541,8 @@ def test_package_variables_are_not_refused(pool2):
      "(off) or 1 (on)"),
     ("FSDP_EXT_CUDA_PATH", "nvlink", "FSDP_EXT_CUDA_PATH='nvlink' is not valid; expected one of "
      "auto, ipc, nccl, staged"),
+    ("FSDP_EXT_CUDA_IPC_HANDLES", "vmm", "FSDP_EXT_CUDA_IPC_HANDLES='vmm' is not valid; expected "
+     "one of auto, legacy, descriptors"),
     ("TORCH_FR_BUFFER_SIZE", "2k", "TORCH_FR_BUFFER_SIZE='2k' is not valid; expected a "
      "non-negative integer (the number of ops the Flight Recorder keeps; 0: off)"),
     ("FSDP_EXT_SHARED_MEMROY", "0", "unknown variable FSDP_EXT_SHARED_MEMROY in the "

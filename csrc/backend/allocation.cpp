@@ -34,12 +34,12 @@ std::string FsdpExtBackend::why_no_cuda_buffers(int device) const {
   if (!shared_memory_enabled()) {
     return "its ranks do not share memory (several hosts, or FSDP_EXT_SHARED_MEMORY=0)";
   }
-  if (cuda_path_choice_ == "nccl" || cuda_path_choice_ == "staged") {
-    return "FSDP_EXT_CUDA_PATH=" + cuda_path_choice_;
+  if (cuda_choice_.path == "nccl" || cuda_choice_.path == "staged") {
+    return "FSDP_EXT_CUDA_PATH=" + cuda_choice_.path;
   }
   std::lock_guard<std::mutex> lock(cuda_mutex_);
   if (!cuda_) {
-    if (cuda_path_choice_ == "ipc") return "";
+    if (cuda_choice_.path == "ipc") return "";
     return "its route for CUDA tensors is not chosen yet (its first CUDA op chooses it; "
            "FSDP_EXT_CUDA_PATH=ipc chooses the one that reads buffers in place up front)";
   }
@@ -104,7 +104,7 @@ at::Tensor FsdpExtBackend::allocateTensor(long size, at::TensorOptions options) 
 std::shared_ptr<CudaBuffers> FsdpExtBackend::cuda_buffers(const OpLabel& label, int device) {
   std::lock_guard<std::mutex> lock(cuda_buffers_mutex_);
   if (!cuda_buffers_) {
-    cuda_buffers_ = make_cuda_buffers(label, device);
+    cuda_buffers_ = make_cuda_buffers(label, device, cuda_choice_);
   } else {
     TORCH_CHECK_VALUE(device < 0 || device == cuda_buffers_->device(), label.prefix(),
                       "buffers on cuda:", device, ", but this group's device buffers are on cuda:",

@@ -94,7 +94,7 @@ class CudaBuffers {
     size_t reserved_bytes = 0;  // device memory the buffers hold
     size_t allocations = 0;     // tensors handed out so far
     size_t reuses = 0;          // of which from a freed buffer
-    size_t exported = 0;        // buffers peers can open (an IPC handle)
+    size_t exported = 0;        // buffers peers can open (an IPC handle or a descriptor)
   };
   virtual ~CudaBuffers() = default;
   // A 1-D tensor of `numel` elements of `options`' dtype, on this pool's
@@ -103,6 +103,12 @@ class CudaBuffers {
                               const at::TensorOptions& options) = 0;
   virtual int device() const = 0;
   virtual Stats stats() const = 0;
+};
+
+// What the user chose for the CUDA path (every rank must choose the same).
+struct CudaChoice {
+  std::string path = "auto";         // FSDP_EXT_CUDA_PATH: auto, ipc, nccl, staged
+  std::string ipc_handles = "auto";  // FSDP_EXT_CUDA_IPC_HANDLES: auto, legacy, descriptors
 };
 
 // Whether this build has the CUDA path (false: cuda_unavailable.cpp).
@@ -114,16 +120,23 @@ bool cuda_path_built();
 // reports eight devices.
 int cuda_device_count();
 int cuda_current_device();
-// The group's device buffers on `device` (-1: the current device). A build
-// without CUDA throws NotImplementedError naming the op.
-std::shared_ptr<CudaBuffers> make_cuda_buffers(const OpLabel& label, int device);
+// Tests only: this process behaves as if legacy CUDA IPC handles were refused
+// (machines that refuse them are where the route falls back to file
+// descriptors; this runs that fallback on any GPU).
+void refuse_legacy_ipc_for_tests(bool refuse);
+// The group's device buffers on `device` (-1: the current device), shared
+// as file descriptors from the first (FSDP_EXT_CUDA_IPC_HANDLES=descriptors)
+// or as `choice` and the IPC route decide. A build without CUDA throws
+// NotImplementedError naming the op.
+std::shared_ptr<CudaBuffers> make_cuda_buffers(const OpLabel& label, int device,
+                                               const CudaChoice& choice);
 
 // The CUDA path of `group` for tensors on `device`, set up collectively (every
-// rank calls it at the same op); `choice` is FSDP_EXT_CUDA_PATH. A build
-// without CUDA throws NotImplementedError naming the op.
+// rank calls it at the same op). A build without CUDA throws
+// NotImplementedError naming the op.
 std::shared_ptr<CudaCollectives> make_cuda_collectives(FsdpExtBackend& group,
                                                        const OpLabel& label, int device,
-                                                       const std::string& choice,
+                                                       const CudaChoice& choice,
                                                        const NcclFactory& nccl_factory);
 
 }  // namespace fsdp_ext::backend

@@ -48,7 +48,7 @@ CudaCollectives* FsdpExtBackend::cuda_route(const OpLabel& label,
     return cuda_.get();
   }
   if (!cuda_) {
-    cuda_ = make_cuda_collectives(*this, label, device, cuda_path_choice_, nccl_factory_);
+    cuda_ = make_cuda_collectives(*this, label, device, cuda_choice_, nccl_factory_);
     cuda_device_ = device;
     LOG(INFO) << "fsdp_ext group '" << group_name_ << "': rank " << rank_ << "/" << size_
               << ", CUDA ops on cuda:" << device << ": " << cuda_->describe();

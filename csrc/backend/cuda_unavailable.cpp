@@ -25,12 +25,18 @@ int cuda_device_count() { return 0; }
 
 int cuda_current_device() { return -1; }
 
+void refuse_legacy_ipc_for_tests(bool) {
+  TORCH_CHECK(false, "this build of torch_fsdp_ext has no CUDA path");
+}
+
 std::shared_ptr<CudaCollectives> make_cuda_collectives(FsdpExtBackend&, const OpLabel& label,
-                                                       int, const std::string&,
+                                                       int, const CudaChoice&,
                                                        const NcclFactory&) {
   refuse(label);
 }
 
-std::shared_ptr<CudaBuffers> make_cuda_buffers(const OpLabel& label, int) { refuse(label); }
+std::shared_ptr<CudaBuffers> make_cuda_buffers(const OpLabel& label, int, const CudaChoice&) {
+  refuse(label);
+}
 
 }  // namespace fsdp_ext::backend

@@ -18,9 +18,10 @@ namespace {
 
 // The backend's own variables; the FSDP_EXT_*_ALGO ones are listed where
 // they are parsed (comm::kForcedAlgorithmVariables).
-constexpr std::array<const char*, 6> kBackendVariables = {
-    "FSDP_EXT_SPIN_US", "FSDP_EXT_WAIT_SPIN_US", "FSDP_EXT_SHARED_MEMORY",
-    "FSDP_EXT_PROCESS_READS", "FSDP_EXT_SMALL_OPS", "FSDP_EXT_CUDA_PATH"};
+constexpr std::array<const char*, 7> kBackendVariables = {
+    "FSDP_EXT_SPIN_US",   "FSDP_EXT_WAIT_SPIN_US", "FSDP_EXT_SHARED_MEMORY",
+    "FSDP_EXT_PROCESS_READS", "FSDP_EXT_SMALL_OPS", "FSDP_EXT_CUDA_PATH",
+    "FSDP_EXT_CUDA_IPC_HANDLES"};
 
 // The package's variables that the backend does not read but must not take
 // for typos: fully_shard's, and the build's (setup.py), which a shell that
@@ -117,6 +118,8 @@ BackendEnvironment read_environment(const std::string& where) {
   out.process_reads = switch_on("FSDP_EXT_PROCESS_READS", where);
   out.small_ops = switch_on("FSDP_EXT_SMALL_OPS", where);
   out.cuda_path = one_of("FSDP_EXT_CUDA_PATH", {"auto", "ipc", "nccl", "staged"}, where);
+  out.cuda_ipc_handles =
+      one_of("FSDP_EXT_CUDA_IPC_HANDLES", {"auto", "legacy", "descriptors"}, where);
   // torch's own, read by the Flight Recorder (flight_recorder.cpp), which
   // would take a bad value for "off" without a word; torch refuses it too.
   for (const char* variable : {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}) {

@@ -12,6 +12,8 @@
 //                               too, not the small-op channel
 //   FSDP_EXT_CUDA_PATH          auto, ipc, nccl or staged: how CUDA tensors move
 //                               (backend/cuda/cuda_path.hpp; auto decides per group)
+//   FSDP_EXT_CUDA_IPC_HANDLES   auto, legacy or descriptors: how the ipc route
+//                               shares the group's buffers (ipc_route.hpp)
 //   FSDP_EXT_{ALLGATHER,REDUCE_SCATTER,ALLREDUCE,BROADCAST}_ALGO
 //                               auto, direct, ring or shm (comm/algorithm_selection.h;
 //                               read per op there, so tests can switch them)
@@ -28,6 +30,7 @@ struct BackendEnvironment {
   bool process_reads = true;
   bool small_ops = true;
   std::string cuda_path = "auto";
+  std::string cuda_ipc_handles = "auto";
 };
 
 // Reads and validates every FSDP_EXT_* variable; throws c10::ValueError

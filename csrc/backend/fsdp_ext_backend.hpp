@@ -292,9 +292,10 @@ class FsdpExtBackend : public c10d::Backend {
   std::atomic<uint64_t> small_on_caller_{0};
   std::atomic<uint64_t> small_handed_over_{0};
   std::atomic<uint64_t> small_queued_{0};
-  // CUDA tensors: FSDP_EXT_CUDA_PATH, how to make torch's NCCL group, and
-  // the path itself with its device, made at the first CUDA op.
-  std::string cuda_path_choice_;
+  // CUDA tensors: FSDP_EXT_CUDA_PATH and FSDP_EXT_CUDA_IPC_HANDLES, how to
+  // make torch's NCCL group, and the path itself with its device, made at
+  // the first CUDA op.
+  CudaChoice cuda_choice_;
   NcclFactory nccl_factory_;
   mutable std::mutex cuda_mutex_;
   std::shared_ptr<CudaCollectives> cuda_;

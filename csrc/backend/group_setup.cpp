@@ -192,7 +192,8 @@ FsdpExtBackend::FsdpExtBackend(const c10::intrusive_ptr<c10d::Store>& store, int
   TORCH_CHECK_VALUE(size >= 1 && size < comm::tag::kMaxRanks, init_label.prefix(),
                     "group size ", size, " is out of range");
   const BackendEnvironment environment = read_environment(init_label.prefix());
-  cuda_path_choice_ = environment.cuda_path;
+  cuda_choice_.path = environment.cuda_path;
+  cuda_choice_.ipc_handles = environment.cuda_ipc_handles;
   std::string no_shared_memory, no_process_reads, no_small_ops, unwatched_peers, layout, cores,
       hosts_detail;
   size_t hosts = 0;

@@ -50,15 +50,34 @@ DeviceBufferPool::~DeviceBufferPool() {
   // whose peers may have opened them, is gone. At interpreter exit the CUDA
   // runtime may be unloaded already: its errors are of no use here.
   int previous = -1;
-  if (cudaGetDevice(&previous) != cudaSuccess) return;
+  if (cudaGetDevice(&previous) != cudaSuccess) {
+    // Left to the process's exit, which takes all device memory back.
+    for (auto& [base, buffer] : buffers_) static_cast<void>(buffer.shared_memory.release());
+    return;
+  }
   cudaSetDevice(device_);
   free_ = StreamOrderedReuse<ReleaseFence>();  // its events first
-  for (auto& [base, buffer] : buffers_) cudaFree(reinterpret_cast<void*>(base));
+  for (auto& [base, buffer] : buffers_) {
+    if (buffer.shared_memory) {
+      buffer.shared_memory.reset();
+    } else {
+      cudaFree(reinterpret_cast<void*>(base));
+    }
+  }
   cudaSetDevice(previous);
   cudaGetLastError();
 }
 
 void* DeviceBufferPool::make_buffer(size_t size_class) {
+  Buffer buffer;
+  buffer.size_class = size_class;
+  void* data = server_ ? make_descriptor_buffer(size_class, &buffer)
+                       : make_legacy_buffer(size_class, &buffer);
+  if (data != nullptr) buffers_.emplace(reinterpret_cast<uintptr_t>(data), std::move(buffer));
+  return data;
+}
+
+void* DeviceBufferPool::make_legacy_buffer(size_t size_class, Buffer* buffer) {
   void* data = nullptr;
   const cudaError_t status = cudaMalloc(&data, size_class);
   if (status == cudaErrorMemoryAllocation) {
@@ -66,18 +85,57 @@ void* DeviceBufferPool::make_buffer(size_t size_class) {
     return nullptr;
   }
   check_cuda(status, "cudaMalloc (a buffer of the group)");
-  Buffer buffer;
-  buffer.size_class = size_class;
   cudaIpcMemHandle_t handle;
-  if (cudaIpcGetMemHandle(&handle, data) == cudaSuccess) {
-    buffer.handle = handle;
+  if (legacy_handles_refused_for_tests()) {
+    // as where this machine refuses IPC (below)
+  } else if (cudaIpcGetMemHandle(&handle, data) == cudaSuccess) {
+    buffer->handle = handle;
     ++exported_;
   } else {
     cudaGetLastError();  // this machine refuses IPC: ops on the buffer are staged
   }
   reserved_bytes_ += size_class;
-  buffers_.emplace(reinterpret_cast<uintptr_t>(data), std::move(buffer));
   return data;
+}
+
+void* DeviceBufferPool::make_descriptor_buffer(size_t size_class, Buffer* buffer) {
+  bool out_of_memory = false;
+  auto memory = std::make_unique<DescriptorAllocation>(device_, size_class, &out_of_memory);
+  if (out_of_memory) return nullptr;
+  void* data = memory->data();
+  // Offered under its base address: unique among the pool's buffers, which
+  // live as long as the pool. The server keeps its own duplicate; the
+  // export's descriptor is closed here (one per buffer, not two).
+  const comm::UniqueFd exported = memory->take_descriptor();
+  server_->offer(reinterpret_cast<uintptr_t>(data), exported.get());
+  reserved_bytes_ += memory->bytes();  // whole units of the device's granularity
+  buffer->shared_memory = std::move(memory);
+  ++exported_;
+  return data;
+}
+
+void DeviceBufferPool::share_by_descriptors() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (server_) return;
+  std::string why_not;
+  if (!descriptor_memory_supported(device_, &why_not)) {
+    throw comm::CommError(comm::ErrorKind::kDevice,
+                          "device memory cannot be shared as file descriptors: " + why_not);
+  }
+  server_ = std::make_unique<comm::DescriptorServer>();
+  for (auto& [base, buffer] : buffers_) {
+    if (buffer.handle) --exported_;
+    buffer.handle.reset();
+  }
+  // The free legacy buffers leave the free list (the route's legacy probe
+  // buffer is one: handed out again, it would stage the ops on it); those
+  // in use are retired when released.
+  for (void* data : free_.take_all()) buffers_.at(reinterpret_cast<uintptr_t>(data)).retired = true;
+}
+
+std::string DeviceBufferPool::descriptor_address() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return server_ ? server_->address() : std::string();
 }
 
 void* DeviceBufferPool::allocate(size_t bytes, cudaStream_t stream) {
@@ -153,6 +211,10 @@ void DeviceBufferPool::release(void* data) noexcept {
   Buffer& buffer = it->second;
   buffer.in_use = false;
   --in_use_;
+  if (server_ && !buffer.shared_memory) {
+    buffer.retired = true;  // a legacy buffer after the switch to descriptors
+    return;
+  }
   std::vector<StreamOrderedReuse<ReleaseFence>::Fenced> fences;
   try {
     DeviceScope scope(device_);
@@ -177,9 +239,17 @@ std::optional<IpcBuffer> DeviceBufferPool::locate(const void* data, size_t bytes
   const uintptr_t base = base_of(data, bytes);
   if (base == 0) return std::nullopt;
   const Buffer& found = buffers_.at(base);
-  if (!found.handle) return std::nullopt;
   IpcBuffer buffer{};
-  buffer.handle = *found.handle;
+  if (found.shared_memory) {
+    buffer.kind = IpcKind::kDescriptor;
+    buffer.allocation_id = base;
+    buffer.allocation_bytes = found.shared_memory->bytes();
+  } else if (found.handle) {
+    buffer.kind = IpcKind::kLegacy;
+    buffer.handle = *found.handle;
+  } else {
+    return std::nullopt;
+  }
   buffer.offset = reinterpret_cast<uintptr_t>(data) - base;
   return buffer;
 }

@@ -1,10 +1,13 @@
 // Device memory handed out by a process group (allocate_tensor on CUDA), on
 // one device.
 //
-// Every buffer is its own cudaMalloc, exported once, when it is made, with a
-// legacy IPC handle: peers open each buffer once (PeerMemoryMap caches by the
-// handle) and read it in place, also where torch's own allocator hands out
-// memory without such a handle (expandable segments). Freed buffers go back
+// Every buffer is its own allocation, exported once, when it is made: a
+// cudaMalloc with a legacy IPC handle, or -- once share_by_descriptors() was
+// called, where peers cannot open legacy handles -- a cuMemCreate allocation
+// whose file descriptor the pool's DescriptorServer offers to peers
+// (descriptor_memory.h). Peers open each buffer once (PeerMemoryMap caches by
+// the handle) and read it in place, also where torch's own allocator hands
+// out memory without such a handle (expandable segments). Freed buffers go back
 // to a free list by size class and are reused in stream order (Note [a freed
 // buffer is reused in stream order], stream_ordered_reuse.h); the pool asks
 // the device for new memory only when no free buffer fits. It never gives
@@ -20,10 +23,14 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <vector>
 
+#include "comm/descriptor_sharing.h"
+#include "device/descriptor_memory.h"
 #include "device/ipc_memory.h"
 #include "device/stream_ordered_reuse.h"
 
@@ -35,7 +42,7 @@ struct DeviceBufferStats {
   size_t reserved_bytes = 0;  // total size of the buffers
   size_t allocations = 0;     // buffers handed out so far
   size_t reuses = 0;          // of which served from the free list
-  size_t exported = 0;        // buffers with an IPC handle
+  size_t exported = 0;        // buffers peers can open (an IPC handle or a descriptor)
 };
 
 // A CUDA event recorded at a buffer's release (the Fence of
@@ -86,22 +93,43 @@ class DeviceBufferPool {
   int device() const { return device_; }
   DeviceBufferStats stats() const;
 
+  // From now on new buffers are shared as file descriptors instead of by
+  // legacy IPC handles (which the peers could not open): the buffers made so
+  // far are no longer offered (locate: nullopt; ops on them are staged), and
+  // once free never handed out again (waits for the free ones' fences).
+  // Throws CommError where the device cannot make such memory, or the
+  // server cannot listen. Idempotent.
+  void share_by_descriptors();
+  // Where the pool's DescriptorServer listens ("" before share_by_descriptors).
+  std::string descriptor_address() const;
+
  private:
   struct Buffer {
     size_t size_class = 0;
     bool in_use = false;
     std::vector<StreamId> streams;  // allocated on, then recorded
-    std::optional<cudaIpcMemHandle_t> handle;
+    std::optional<cudaIpcMemHandle_t> handle;  // legacy buffers peers may open
+    // Descriptor buffers: the memory (offered under its base address as id).
+    std::unique_ptr<DescriptorAllocation> shared_memory;
+    // A legacy buffer after the switch to descriptors: never handed out
+    // again (peers could not read it in place). Kept, not freed: a peer may
+    // have opened it after all.
+    bool retired = false;
   };
   // The base of the buffer holding [data, data + bytes), or 0 (mutex_ held;
   // base_holding in buffer_ranges.h).
   uintptr_t base_of(const void* data, size_t bytes) const;
   // A new buffer from the device; nullptr when it has no memory left (mutex_ held).
   void* make_buffer(size_t size_class);
+  void* make_legacy_buffer(size_t size_class, Buffer* buffer);
+  void* make_descriptor_buffer(size_t size_class, Buffer* buffer);
 
   const int device_;
   std::function<void()> release_cached_;
   mutable std::mutex mutex_;
+  // Set by share_by_descriptors; destroyed after the buffers (the destructor
+  // frees them first), so that no peer is refused a buffer that still lives.
+  std::unique_ptr<comm::DescriptorServer> server_;
   std::map<uintptr_t, Buffer> buffers_;  // by base address
   StreamOrderedReuse<ReleaseFence> free_;
   size_t in_use_ = 0;

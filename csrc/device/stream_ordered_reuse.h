@@ -64,6 +64,17 @@ class StreamOrderedReuse {
     }
   }
 
+  // Every free buffer, removed from the free list, once its fences have
+  // passed (blocks until then): for buffers that must not be handed out
+  // again (the pool's switch to another kind of buffer).
+  std::vector<void*> take_all() {
+    wait_all();
+    std::vector<void*> buffers;
+    for (auto& [size_class, entry] : free_) buffers.push_back(entry.buffer);
+    free_.clear();
+    return buffers;
+  }
+
   size_t free_buffers() const { return free_.size(); }
   // Free buffers some allocation could not take yet (a fence not passed).
   size_t pending() {

@@ -184,6 +184,13 @@ PYBIND11_MODULE(_C, m) {
       "How many connections this process's liveness listener closed unfiled: no\n"
       "valid hello (magic, endpoint, this process's token) within its deadline.");
 
+  // Fault injection for the CUDA tests (backend/cuda_collectives.hpp).
+  m.def("_refuse_legacy_cuda_ipc_for_tests", &fsdp_ext::backend::refuse_legacy_ipc_for_tests,
+        py::arg("refuse"),
+        "Tests only: this process makes no legacy CUDA IPC handles from now on, as\n"
+        "on machines that refuse them, so that the IPC route's fallback to file\n"
+        "descriptors runs on any GPU. Raises in a build without the CUDA path.");
+
   // The benchmark's physical references (comm/memory_limits.h).
   m.def("_concurrent_peer_copy_seconds", &fsdp_ext::comm::concurrent_peer_copy_seconds,
         py::arg("ranks"), py::arg("bytes"), py::arg("rounds"),

@@ -110,6 +110,23 @@ TEST(StreamOrderedReuse, WaitAllBlocksOnEveryPendingFenceOnce) {
   EXPECT_EQ(reuse.take(8192, kCompute), &b);
 }
 
+TEST(StreamOrderedReuse, TakeAllEmptiesEveryClassOnceTheFencesPassed) {
+  StreamOrderedReuse<TestFence> reuse;
+  Fences fences;
+  std::vector<StreamOrderedReuse<TestFence>::Fenced> first, second;
+  first.push_back(fences.on(kGroup));
+  second.push_back(fences.on(kAllGather));
+  reuse.put(&a, 512, std::move(first));
+  reuse.put(&b, 512, {});
+  reuse.put(&c, 8192, std::move(second));
+  std::vector<void*> taken = reuse.take_all();
+  EXPECT_EQ(*fences.waits, 2);  // both pending fences waited for
+  EXPECT_EQ(taken, (std::vector<void*>{&a, &b, &c}));
+  EXPECT_EQ(reuse.free_buffers(), 0u);
+  EXPECT_EQ(reuse.take(512, kAllGather), nullptr);  // none handed out again
+  EXPECT_TRUE(reuse.take_all().empty());
+}
+
 TEST(DeviceSizeClass, WholeUnitsThenFourStepsPerPowerOfTwo) {
   EXPECT_EQ(device_size_class(1), 512u);
   EXPECT_EQ(device_size_class(512), 512u);

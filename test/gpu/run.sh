@@ -8,7 +8,8 @@
 #
 # probes the machine (shared/gpu-kit/probe.py), unpacks UCX, builds the
 # extension with its CUDA parts for sm_90 against the machine's torch on every
-# core, checks a 2-rank CPU run, runs the CUDA tests (test/test_cuda.py, then
+# core, checks a 2-rank CPU run, probes which ways of sharing device memory
+# between processes work (test/gpu/probe_sharing.py), runs the CUDA tests (test/test_cuda.py, then
 # fully_shard on CUDA meshes: test/test_cuda_fsdp.py) and short CUDA
 # benchmarks (benchmarks/fsdp_step.py and collectives.py, --device cuda). Each step
 # has a time limit, the whole at most 8 minutes (BUDGET_S=470); a failing step does not
@@ -75,6 +76,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 smoke_tmp=$(mktemp -d "${TMPDIR:-/tmp}/fsdp_ext_smoke_XXXXXX")
 step cpu_smoke 30 env TMPDIR="$smoke_tmp" "$(dirname "$PY")/torchrun" --standalone --nproc-per-node 2 \
   test/smoke_installed.py
+# Which ways of sharing device memory the IPC route finds here (legacy IPC
+# handles, file descriptors), in a few seconds, before the tests use them.
+step sharing_probe 40 env TMPDIR="$smoke_tmp" "$(dirname "$PY")/torchrun" --standalone \
+  --nproc-per-node 2 test/gpu/probe_sharing.py
 rm -rf "$smoke_tmp"
 # -v: every test's name and outcome as it ends, so a log cut by the step's
 # limit still says how far it got (each test's calls have a limit of their

@@ -15,9 +15,25 @@ int cuda_device_count() { return c10::cuda::device_count(); }
 
 int cuda_current_device() { return c10::cuda::current_device(); }
 
-std::shared_ptr<CudaBuffers> make_cuda_buffers(const OpLabel& label, int device) {
+void refuse_legacy_ipc_for_tests(bool refuse) { device::refuse_legacy_handles_for_tests(refuse); }
+
+std::shared_ptr<CudaBuffers> make_cuda_buffers(const OpLabel& label, int device,
+                                               const CudaChoice& choice) {
   try {
-    return std::make_shared<GroupCudaBuffers>(device >= 0 ? device : c10::cuda::current_device());
+    auto buffers = std::make_shared<GroupCudaBuffers>(device >= 0 ? device
+                                                                  : c10::cuda::current_device());
+    // Made so from the first where buffers are offered before the route is
+    // chosen (FSDP_EXT_CUDA_PATH=ipc): they are then read in place too. Where
+    // the device cannot, the pool stays as it is and the route's probe
+    // reports why, on every rank. (Elsewhere the route decides first: its
+    // probe switches the pool before any buffer is handed out.)
+    if (choice.path == "ipc" && choice.ipc_handles == "descriptors") {
+      try {
+        buffers->share_by_descriptors();
+      } catch (const comm::CommError&) {
+      }
+    }
+    return buffers;
   } catch (const comm::CommError& error) {
     C10_THROW_ERROR(DistBackendError, label.prefix() + error.what());
   }

@@ -8,6 +8,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 
 #include "backend/cuda_collectives.hpp"
 #include "device/device_buffer_pool.h"
@@ -29,6 +30,10 @@ class GroupCudaBuffers final : public CudaBuffers {
   // Work on `stream` uses `tensor`: true (and its buffer's release waits
   // for that stream) if the tensor's memory is this pool's.
   bool record_use(const at::Tensor& tensor, const c10::cuda::CUDAStream& stream) const;
+  // New buffers are shared as file descriptors from now on
+  // (DeviceBufferPool::share_by_descriptors); where their server listens.
+  void share_by_descriptors() const { pool_->share_by_descriptors(); }
+  std::string descriptor_address() const { return pool_->descriptor_address(); }
 
  private:
   std::shared_ptr<device::DeviceBufferPool> pool_;

@@ -25,7 +25,8 @@ namespace {
 struct CudaIdentity {
   std::array<char, 160> host{};  // this_host(): hostname, boot id, PID namespace
   std::array<char, 16> gpu{};    // the GPU's UUID
-  std::array<char, 8> choice{};  // FSDP_EXT_CUDA_PATH
+  std::array<char, 8> choice{};        // FSDP_EXT_CUDA_PATH
+  std::array<char, 12> ipc_handles{};  // FSDP_EXT_CUDA_IPC_HANDLES
   int32_t device = -1;
   // Why this rank cannot make the path (empty: it can). Carried by the
   // exchange so that every rank raises it together; a rank that raised
@@ -46,7 +47,7 @@ std::string text_of(const std::array<char, N>& text) {
 }  // namespace
 
 CudaPath::CudaPath(FsdpExtBackend& group, const OpLabel& label, int device,
-                   const std::string& choice, const NcclFactory& nccl_factory)
+                   const CudaChoice& chosen, const NcclFactory& nccl_factory)
     : group_(group),
       rank_(label.rank),
       size_(label.size),
@@ -55,9 +56,11 @@ CudaPath::CudaPath(FsdpExtBackend& group, const OpLabel& label, int device,
                                            static_cast<c10::DeviceIndex>(device))) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   const std::chrono::milliseconds timeout = group.default_timeout();
+  const std::string& choice = chosen.path;
   CudaIdentity mine;
   copy_text(mine.host, this_host());
   copy_text(mine.choice, choice);
+  copy_text(mine.ipc_handles, chosen.ipc_handles);
   mine.device = device;
   try {
     // In a build with this path every CudaBuffers is a GroupCudaBuffers
@@ -92,6 +95,10 @@ CudaPath::CudaPath(FsdpExtBackend& group, const OpLabel& label, int device,
     TORCH_CHECK_VALUE(text_of(ranks[r].choice) == choice, label.prefix(),
                       "FSDP_EXT_CUDA_PATH is '", choice, "' here but '", text_of(ranks[r].choice),
                       "' on rank ", r, "; every rank must choose the same");
+    TORCH_CHECK_VALUE(text_of(ranks[r].ipc_handles) == chosen.ipc_handles, label.prefix(),
+                      "FSDP_EXT_CUDA_IPC_HANDLES is '", chosen.ipc_handles, "' here but '",
+                      text_of(ranks[r].ipc_handles), "' on rank ", r,
+                      "; every rank must choose the same");
     const std::string host = text_of(ranks[r].host);
     hosts.insert(host);
     const bool fresh = gpus.insert({host, std::string(ranks[r].gpu.data(), 16)}).second;
@@ -117,11 +124,12 @@ CudaPath::CudaPath(FsdpExtBackend& group, const OpLabel& label, int device,
     } else if (size_ > device::kMaxReduceInputs) {
       *why_not = "more than " + std::to_string(device::kMaxReduceInputs) + " ranks on one host";
     } else {
-      ipc_ = IpcRoute::try_create(*this, label, timeout, why_not);
+      ipc_ = IpcRoute::try_create(*this, label, chosen.ipc_handles, timeout, why_not);
     }
     if (ipc_) {
       route_ = Route::kIpc;
-      description_ = "ipc (" + layout + ": peers' buffers read in place through CUDA IPC)";
+      description_ = "ipc (" + layout + ": peers' buffers read in place through CUDA IPC, " +
+                     ipc_->describe_sharing() + ")";
     }
     return static_cast<bool>(ipc_);
   };
@@ -219,7 +227,7 @@ WorkPtr CudaPath::run(const OpLabel& label, CudaOp op) {
 
 std::shared_ptr<CudaCollectives> make_cuda_collectives(FsdpExtBackend& group,
                                                        const OpLabel& label, int device,
-                                                       const std::string& choice,
+                                                       const CudaChoice& choice,
                                                        const NcclFactory& nccl_factory) {
   try {
     return std::make_shared<CudaPath>(group, label, device, choice, nccl_factory);

@@ -10,7 +10,9 @@
 //           in place through CUDA IPC, copies by the copy engine, reductions
 //           by the device room's kernels, ordering by IPC events; the host
 //           only exchanges handles through the group's CPU transport
-//           (ipc_route.cpp).
+//           (ipc_route.cpp). Buffers are shared by legacy IPC handles, or
+//           where peers cannot open those (FSDP_EXT_CUDA_IPC_HANDLES=auto
+//           tries both), the group's own buffers as file descriptors.
 //   staged  anywhere else, and wherever IPC does not work (some virtual
 //           machines; memory without a legacy IPC handle): device -> pinned
 //           host memory -> this group's CPU collective -> device
@@ -37,7 +39,7 @@ class GroupCudaBuffers;
 
 class CudaPath final : public CudaCollectives {
  public:
-  CudaPath(FsdpExtBackend& group, const OpLabel& label, int device, const std::string& choice,
+  CudaPath(FsdpExtBackend& group, const OpLabel& label, int device, const CudaChoice& choice,
            const NcclFactory& nccl_factory);
   ~CudaPath() override;
 

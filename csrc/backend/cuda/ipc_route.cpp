@@ -13,6 +13,7 @@
 #include "backend/cuda/cuda_path.hpp"
 #include "backend/cuda/cuda_work.hpp"
 #include "backend/fsdp_ext_backend.hpp"
+#include "comm/descriptor_sharing.h"
 #include "device/cuda_check.h"
 #include "device/reduce_kernels.h"
 
@@ -79,13 +80,17 @@ std::string first_failure(const std::vector<std::vector<uint8_t>>& records) {
 
 // The IPC handle of the allocation holding `tensor` and the tensor's offset
 // in it; nullopt when it has none. The group's own buffers carry the handle
-// they got when made. torch's caching allocator finds an allocation by the
+// they got when made; torch's memory is exported only with legacy sharing
+// (`torch_memory_too`: peers cannot open its legacy handles otherwise).
+// torch's caching allocator finds an allocation by the
 // start of its block (the storage's start, not a view's data pointer), and
 // refuses (throws) for expandable segments and memory it did not allocate:
 // those have no legacy handle, and the op is staged.
 std::optional<device::IpcBuffer> export_tensor(const GroupCudaBuffers& buffers,
-                                               const at::Tensor& tensor) {
+                                               const at::Tensor& tensor,
+                                               bool torch_memory_too) {
   if (std::optional<device::IpcBuffer> own = buffers.exported(tensor)) return own;
+  if (!torch_memory_too) return std::nullopt;
   size_t allocation_bytes = 0;
   void* base = nullptr;
   try {
@@ -99,7 +104,8 @@ std::optional<device::IpcBuffer> export_tensor(const GroupCudaBuffers& buffers,
 }
 
 const char* kNoHandle =
-    "its buffer has no CUDA IPC handle (memory from cuMemCreate, e.g. "
+    "its buffer has no handle peers can open (torch's memory where the group shares "
+    "buffers as file descriptors, or memory from cuMemCreate, e.g. "
     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)";
 
 // What a rank says of one tensor peers may read: where it is (empty for a
@@ -152,6 +158,7 @@ SharedRecord read_shared_record(const std::vector<uint8_t>& bytes) {
 }  // namespace
 
 std::unique_ptr<IpcRoute> IpcRoute::try_create(CudaPath& path, const OpLabel& label,
+                                               const std::string& handles,
                                                std::chrono::milliseconds timeout,
                                                std::string* why_not) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(path.device()));
@@ -178,13 +185,8 @@ std::unique_ptr<IpcRoute> IpcRoute::try_create(CudaPath& path, const OpLabel& la
   const auto event_records = group.exchange_bytes(label, events.bytes(), timeout);
   if (!(*why_not = first_failure(event_records)).empty()) return nullptr;
 
-  // 2. The peers' events opened; a probe buffer exported, one of the
-  // group's own (torch's allocator may hand out memory without a handle,
-  // expandable segments, where the group's buffers still have one).
-  std::optional<device::IpcBuffer> exported;
-  at::Tensor probe;
+  // 2. The peers' events opened.
   try {
-    probe = path.buffers().allocate(label, 256, at::TensorOptions().dtype(at::kByte));
     route->peer_ready_.resize(size);
     route->peer_mid_.resize(size);
     route->peer_done_.resize(size);
@@ -197,29 +199,8 @@ std::unique_ptr<IpcRoute> IpcRoute::try_create(CudaPath& path, const OpLabel& la
       route->peer_mid_[peer] = std::make_unique<device::PeerEvent>(reader.get<cudaIpcEventHandle_t>());
       route->peer_done_[peer] = std::make_unique<device::PeerEvent>(reader.get<cudaIpcEventHandle_t>());
     }
-    exported = export_tensor(path.buffers(), probe);
-    if (!exported) failure = kNoHandle;
   } catch (const std::exception& error) {
-    failure = error.what();
-  }
-  RecordWriter buffers;
-  buffers.put<uint8_t>(failure.empty());
-  buffers.put_reason(failure);
-  buffers.put(exported.value_or(device::IpcBuffer{}));
-  const auto buffer_records = group.exchange_bytes(label, buffers.bytes(), timeout);
-  if (!(*why_not = first_failure(buffer_records)).empty()) return nullptr;
-
-  // 3. The peers' probe buffers opened (they stay in the map, as any buffer).
-  try {
-    for (int peer = 0; peer < size; ++peer) {
-      if (peer == rank) continue;
-      RecordReader reader(buffer_records[peer]);
-      reader.get<uint8_t>();
-      reader.get_reason();
-      route->peer_memory_.open(peer, reader.get<device::IpcBuffer>(), [] {});
-    }
-  } catch (const std::exception& error) {
-    failure = error.what();
+    failure = "opening a peer's CUDA IPC event: " + std::string(error.what());
   }
   RecordWriter opened;
   opened.put<uint8_t>(failure.empty());
@@ -227,7 +208,101 @@ std::unique_ptr<IpcRoute> IpcRoute::try_create(CudaPath& path, const OpLabel& la
   if (!(*why_not = first_failure(group.exchange_bytes(label, opened.bytes(), timeout))).empty()) {
     return nullptr;
   }
-  return route;
+
+  // 3. How buffers are shared: legacy handles where peers can open them
+  // (they also cover torch's own memory), else file descriptors (the
+  // group's own buffers only).
+  if (handles != "descriptors") {
+    route->legacy_refusal_ = route->probe_sharing(label, device::IpcKind::kLegacy, timeout);
+    if (route->legacy_refusal_.empty()) return route;
+    if (handles == "legacy") {
+      *why_not = "legacy IPC handles (FSDP_EXT_CUDA_IPC_HANDLES=legacy): " + route->legacy_refusal_;
+      return nullptr;
+    }
+  }
+  const std::string descriptor_refusal =
+      route->probe_sharing(label, device::IpcKind::kDescriptor, timeout);
+  if (descriptor_refusal.empty()) return route;
+  *why_not = handles == "descriptors"
+                 ? "file descriptors (FSDP_EXT_CUDA_IPC_HANDLES=descriptors): " + descriptor_refusal
+                 : "legacy IPC handles: " + route->legacy_refusal_ +
+                       "; file descriptors: " + descriptor_refusal;
+  return nullptr;
+}
+
+std::string IpcRoute::probe_sharing(const OpLabel& label, device::IpcKind kind,
+                                    std::chrono::milliseconds timeout) {
+  const int size = path_.size();
+  const int rank = path_.rank();
+  FsdpExtBackend& group = path_.group();
+  GroupCudaBuffers& buffers = path_.buffers();
+  // A buffer of the group's own is the probe: torch's allocator may hand out
+  // memory without a legacy handle (expandable segments), where the
+  // group's buffers still have one. It goes back to the pool at the end,
+  // which keeps it (and the peers' mappings of it stay valid).
+  std::string failure;
+  std::optional<device::IpcBuffer> exported;
+  std::array<char, comm::DescriptorServer::kMaxAddressBytes + 1> address{};
+  at::Tensor probe;
+  try {
+    if (kind == device::IpcKind::kDescriptor) {
+      buffers.share_by_descriptors();
+      const std::string listening = buffers.descriptor_address();
+      std::memcpy(address.data(), listening.data(),
+                  std::min(listening.size(), address.size() - 1));
+    }
+    probe = buffers.allocate(label, 256, at::TensorOptions().dtype(at::kByte));
+    exported = buffers.exported(probe);
+    if (!exported || exported->kind != kind) {
+      failure = kind == device::IpcKind::kLegacy
+                    ? "cudaIpcGetMemHandle refused a buffer of the group"
+                    : "a buffer of the group was not made to be shared as a file descriptor";
+    }
+  } catch (const std::exception& error) {
+    failure = error.what();
+  }
+  RecordWriter mine;
+  mine.put<uint8_t>(failure.empty());
+  mine.put_reason(failure);
+  mine.put(exported.value_or(device::IpcBuffer{}));
+  mine.put(address);
+  const auto records = group.exchange_bytes(label, mine.bytes(), timeout);
+  std::string refusal = first_failure(records);
+  if (!refusal.empty()) return refusal;
+
+  // The peers' probe buffers opened (they stay in the map, as any buffer).
+  try {
+    std::vector<std::string> servers(size);
+    std::vector<device::IpcBuffer> probes(size);
+    for (int peer = 0; peer < size; ++peer) {
+      RecordReader reader(records[peer]);
+      reader.get<uint8_t>();
+      reader.get_reason();
+      probes[peer] = reader.get<device::IpcBuffer>();
+      const auto text = reader.get<decltype(address)>();
+      servers[peer] = std::string(text.data(), strnlen(text.data(), text.size()));
+    }
+    if (kind == device::IpcKind::kDescriptor) peer_memory_.set_descriptor_servers(servers);
+    for (int peer = 0; peer < size; ++peer) {
+      if (peer != rank) peer_memory_.open(peer, probes[peer], [] {});
+    }
+  } catch (const std::exception& error) {
+    failure = error.what();
+  }
+  RecordWriter opened;
+  opened.put<uint8_t>(failure.empty());
+  opened.put_reason(failure);
+  refusal = first_failure(group.exchange_bytes(label, opened.bytes(), timeout));
+  if (refusal.empty()) sharing_ = kind;
+  return refusal;
+}
+
+std::string IpcRoute::describe_sharing() const {
+  if (sharing_ == device::IpcKind::kLegacy) return "buffers shared by legacy IPC handles";
+  return "the group's own buffers shared as file descriptors, other memory staged (" +
+         (legacy_refusal_.empty() ? std::string("FSDP_EXT_CUDA_IPC_HANDLES=descriptors")
+                                  : "legacy IPC handles: " + legacy_refusal_) +
+         ")";
 }
 
 bool IpcRoute::exchange_buffers(const OpLabel& label, const std::vector<at::Tensor>& shared,
@@ -246,7 +321,8 @@ bool IpcRoute::exchange_buffers(const OpLabel& label, const std::vector<at::Tens
     mine[i].bytes = shared[i].nbytes();
     mine[i].dtype = shared[i].scalar_type();
     if (!failure.empty() || shared[i].numel() == 0 || !read_by_peers(rank)) continue;
-    std::optional<device::IpcBuffer> exported = export_tensor(path_.buffers(), shared[i]);
+    std::optional<device::IpcBuffer> exported =
+        export_tensor(path_.buffers(), shared[i], sharing_ == device::IpcKind::kLegacy);
     if (!exported) {
       failure = kNoHandle;
       continue;

@@ -11,8 +11,8 @@
 //   4. `done` recorded; host exchange (every rank has recorded it); the
 //      stream waits for every peer's `done`, so the op ends only when no
 //      peer still reads this rank's buffers. The Work is that end.
-// A rank whose buffer has no legacy IPC handle says so in step 2, and every
-// rank stages that op instead.
+// A rank whose buffer has no handle its peers can open says so in step 2,
+// and every rank stages that op instead.
 //
 // Note [a failure between host rounds]: a rank that fails after a round (a
 // peer's buffer it cannot open, a CUDA call that errs) must not leave its
@@ -40,16 +40,27 @@ class IpcRoute {
   // Collective: creates this rank's events, opens the peers', and checks
   // that a peer's device memory can be opened. Returns nullptr on every rank
   // if any rank cannot, with `why_not` naming the rank and the failure.
+  // `handles` is FSDP_EXT_CUDA_IPC_HANDLES: auto tries legacy IPC handles,
+  // then file descriptors; legacy or descriptors tries that one only.
   static std::unique_ptr<IpcRoute> try_create(CudaPath& path, const OpLabel& label,
+                                              const std::string& handles,
                                               std::chrono::milliseconds timeout,
                                               std::string* why_not);
 
   WorkPtr run(const OpLabel& label, CudaOp& op);
   // Peers' buffers opened so far (each allocation of a peer once).
   uint64_t peer_buffers_opened() const { return peer_memory_.opens(); }
+  // How buffers are shared, for the group's log line.
+  std::string describe_sharing() const;
 
  private:
   explicit IpcRoute(CudaPath& path) : path_(path) {}
+
+  // Collective: every rank exports a buffer of the group's own shared by
+  // `kind` and opens its peers'. "" (and sharing_ set) when every rank
+  // could; otherwise the first failure, as "rank R: reason", on every rank.
+  std::string probe_sharing(const OpLabel& label, device::IpcKind kind,
+                            std::chrono::milliseconds timeout);
 
   // Step 2: this rank's shared buffers exported and exchanged with their
   // sizes and dtypes; false (on every rank) when some rank's buffer has no
@@ -75,6 +86,10 @@ class IpcRoute {
   std::unique_ptr<device::SharedEvent> ready_, mid_, done_;
   std::vector<std::unique_ptr<device::PeerEvent>> peer_ready_, peer_mid_, peer_done_;
   device::PeerMemoryMap peer_memory_;
+  // Legacy handles: every buffer, torch's too. Descriptors: the group's own
+  // buffers only (torch's memory is staged); legacy_refusal_ says why.
+  device::IpcKind sharing_ = device::IpcKind::kLegacy;
+  std::string legacy_refusal_;
 };
 
 }  // namespace fsdp_ext::backend

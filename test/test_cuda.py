@@ -675,6 +675,44 @@ def test_point_to_point_cannot_be_a_groups_first_cuda_op():
             assert message.startswith("NotImplementedError") and "first CUDA op" in message, message
 
 
+def check_staging_failure_on_one_rank(ctx, numel):
+    """Rank 1's staging fails (the test hook; as where pinned memory runs
+    out) while rank 0 enters the host collective: both raise, rank 0 within
+    seconds of a 60-second timeout, naming rank 1's reason."""
+    import datetime
+    import time
+
+    torch.cuda.set_device(0)
+    group = dist.new_group(timeout=datetime.timedelta(seconds=60))
+    x = torch.ones(numel, device="cuda")
+    dist.all_reduce(x, group=group)  # the route chosen, staged
+    torch.cuda.synchronize()
+    if ctx.rank == 1:
+        torch_fsdp_ext._C._fail_next_cuda_staging_for_tests()
+    start = time.monotonic()
+    try:
+        dist.all_reduce(x, group=group)
+        torch.cuda.synchronize()
+        outcome = "no error"
+    except Exception as error:  # noqa: BLE001
+        outcome = f"{type(error).__name__}: {error}"
+    seconds = time.monotonic() - start
+    dist.destroy_process_group(group)
+    return outcome, seconds
+
+
+# 1024 floats: the host collective on the small-op channel; 1 Mi: messages.
+@pytest.mark.parametrize("numel", [1024, 1 << 20], ids=["small-op-channel", "messages"])
+def test_a_staging_failure_on_one_rank_fails_every_rank_at_once(numel):
+    found = get_pool(2, FSDP_EXT_CUDA_PATH="staged").run(
+        check_staging_failure_on_one_rank, numel, timeout=CALL_TIMEOUT)
+    for rank, (outcome, seconds) in enumerate(found):
+        assert outcome.startswith("DistBackendError"), (rank, outcome)
+        assert "rank 1" in outcome or rank == 1, (rank, outcome)
+        assert seconds < 15, (rank, seconds, outcome)
+    assert "staging the op's tensors in host memory failed: injected" in found[1][0], found[1]
+
+
 DEAD_PEER = textwrap.dedent("""
     import os, sys, time, datetime, torch, torch.distributed as dist, torch_fsdp_ext
     rank = int(os.environ["RANK"])

@@ -124,6 +124,9 @@ int cuda_current_device();
 // (machines that refuse them are where the route falls back to file
 // descriptors; this runs that fallback on any GPU).
 void refuse_legacy_ipc_for_tests(bool refuse);
+// Tests only: the next op this process stages through host memory fails in
+// its staging (as where pinned memory runs out), once.
+void fail_next_staging_for_tests();
 // The group's device buffers on `device` (-1: the current device), shared
 // as file descriptors from the first (FSDP_EXT_CUDA_IPC_HANDLES=descriptors)
 // or as `choice` and the IPC route decide. A build without CUDA throws

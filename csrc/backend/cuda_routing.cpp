@@ -100,6 +100,18 @@ WorkPtr FsdpExtBackend::run_on_cuda(CudaCollectives& cuda, const OpLabel& label,
   return work;
 }
 
+void FsdpExtBackend::fail_collective(const OpLabel& label, std::chrono::milliseconds timeout,
+                                     const std::string& reason) {
+  const RunningCudaOp running(this);
+  auto work = enqueue(label, c10d::OpType::UNKNOWN, "fsdp_ext:failed_on_this_rank",
+                      /*collective=*/true, timeout, {}, {}, [reason](comm::OpContext&) {
+                        throw comm::CommError(comm::ErrorKind::kDevice, reason);
+                      });
+  work->wait();
+  // Not reached: the op's body always throws, and wait() raises it.
+  C10_THROW_ERROR(DistBackendError, label.prefix() + reason);
+}
+
 std::string FsdpExtBackend::cuda_route_description() const {
   std::lock_guard<std::mutex> lock(cuda_mutex_);
   return cuda_ ? cuda_->describe() : "";

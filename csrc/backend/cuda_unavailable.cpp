@@ -29,6 +29,10 @@ void refuse_legacy_ipc_for_tests(bool) {
   TORCH_CHECK(false, "this build of torch_fsdp_ext has no CUDA path");
 }
 
+void fail_next_staging_for_tests() {
+  TORCH_CHECK(false, "this build of torch_fsdp_ext has no CUDA path");
+}
+
 std::shared_ptr<CudaCollectives> make_cuda_collectives(FsdpExtBackend&, const OpLabel& label,
                                                        int, const CudaChoice&,
                                                        const NcclFactory&) {

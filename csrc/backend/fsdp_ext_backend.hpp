@@ -170,6 +170,14 @@ class FsdpExtBackend : public c10d::Backend {
   std::vector<std::vector<uint8_t>> exchange_bytes(const OpLabel& label,
                                                    const std::vector<uint8_t>& local,
                                                    std::chrono::milliseconds timeout);
+  // The CUDA path's part of a collective failed on this rank before its host
+  // collective, which the peers are in or about to enter: fails this rank's
+  // op as a collective of the group, so that the peers hear of it (Note [a
+  // failure told to the peers]) and fail within seconds instead of at their
+  // timeout. The group is broken afterwards, as after any failed
+  // collective. Always throws (DistBackendError naming the op and `reason`).
+  [[noreturn]] void fail_collective(const OpLabel& label, std::chrono::milliseconds timeout,
+                                    const std::string& reason);
   // How this group's CUDA ops run ("" before its first CUDA op).
   std::string cuda_route_description() const;
   // The group's device buffers on `device` (-1: the current one), made at

@@ -190,6 +190,10 @@ PYBIND11_MODULE(_C, m) {
         "Tests only: this process makes no legacy CUDA IPC handles from now on, as\n"
         "on machines that refuse them, so that the IPC route's fallback to file\n"
         "descriptors runs on any GPU. Raises in a build without the CUDA path.");
+  m.def("_fail_next_cuda_staging_for_tests", &fsdp_ext::backend::fail_next_staging_for_tests,
+        "Tests only: the next CUDA op this process stages through host memory fails\n"
+        "while staging, once (as where pinned memory runs out). Raises in a build\n"
+        "without the CUDA path.");
 
   // The benchmark's physical references (comm/memory_limits.h).
   m.def("_concurrent_peer_copy_seconds", &fsdp_ext::comm::concurrent_peer_copy_seconds,

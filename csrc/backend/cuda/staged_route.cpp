@@ -11,17 +11,25 @@
 #include <c10/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <atomic>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "backend/cuda/cuda_path.hpp"
 #include "backend/cuda/cuda_work.hpp"
+#include "backend/fsdp_ext_backend.hpp"
 
 namespace fsdp_ext::backend {
+namespace {
+std::atomic<bool> staging_fails_for_tests{false};
+}  // namespace
+
+void fail_next_staging_for_tests() { staging_fails_for_tests = true; }
 
 WorkPtr CudaPath::run_staged(const OpLabel& label, CudaOp& op) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   staged_ops_.fetch_add(1);
-  follow_current_stream();
   // One pinned host tensor per distinct device tensor: an in-place op's
   // tensor is an input and an output, and must stay one tensor on the host.
   std::vector<at::Tensor> device_tensors;
@@ -36,9 +44,17 @@ WorkPtr CudaPath::run_staged(const OpLabel& label, CudaOp& op) {
     return host_tensors.back();
   };
   std::vector<at::Tensor> host_inputs, host_outputs;
-  for (const at::Tensor& input : op.inputs) host_inputs.push_back(host_of(input));
-  for (const at::Tensor& output : op.outputs) host_outputs.push_back(host_of(output));
-  {
+  // The peers are in (or on their way to) the host collective by now: a
+  // failure here on one rank -- no pinned memory left, a copy that fails --
+  // is told to them as this rank's failed collective, rather than raised
+  // here alone, which would leave them waiting for their timeout.
+  try {
+    if (staging_fails_for_tests.exchange(false)) {
+      throw std::runtime_error("injected by fail_next_staging_for_tests");
+    }
+    follow_current_stream();
+    for (const at::Tensor& input : op.inputs) host_inputs.push_back(host_of(input));
+    for (const at::Tensor& output : op.outputs) host_outputs.push_back(host_of(output));
     c10::cuda::CUDAStreamGuard on_stream(stream_);
     for (size_t i = 0; i < op.inputs.size(); ++i) {
       host_inputs[i].copy_(op.inputs[i], /*non_blocking=*/true);
@@ -46,6 +62,14 @@ WorkPtr CudaPath::run_staged(const OpLabel& label, CudaOp& op) {
     c10::cuda::CUDAEvent copied;
     copied.record(stream_);
     copied.synchronize();
+  } catch (const c10::Error& error) {
+    group_.fail_collective(label, op.timeout,
+                           std::string("staging the op's tensors in host memory failed: ") +
+                               error.what_without_backtrace());
+  } catch (const std::exception& error) {
+    group_.fail_collective(label, op.timeout,
+                           std::string("staging the op's tensors in host memory failed: ") +
+                               error.what());
   }
   op.on_host(host_inputs, host_outputs)->wait();
   {

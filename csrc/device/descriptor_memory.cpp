@@ -109,6 +109,35 @@ void allow_access(const DriverCalls& calls, CUdeviceptr data, size_t bytes, int 
   check_driver(calls.set_access(data, bytes, &access, 1), "cuMemSetAccess");
 }
 
+// `handle`'s memory (`bytes`, the whole allocation) mapped at a fresh
+// address, read-write for `device`; on failure, nothing is left reserved or
+// mapped (the handle stays the caller's). `whose` ends the calls' names in
+// errors.
+CUdeviceptr map_whole(const DriverCalls& calls, CUmemGenericAllocationHandle handle,
+                      size_t bytes, int device, const std::string& whose) {
+  CUdeviceptr data = 0;
+  check_driver(calls.reserve(&data, bytes, 0, 0, 0), ("cuMemAddressReserve" + whose).c_str());
+  try {
+    check_driver(calls.map(data, bytes, 0, handle, 0), ("cuMemMap" + whose).c_str());
+    try {
+      allow_access(calls, data, bytes, device);
+    } catch (...) {
+      calls.unmap(data, bytes);
+      throw;
+    }
+  } catch (...) {
+    calls.address_free(data, bytes);
+    throw;
+  }
+  return data;
+}
+
+// Undoes map_whole.
+void unmap_whole(const DriverCalls& calls, uintptr_t data, size_t bytes) {
+  calls.unmap(static_cast<CUdeviceptr>(data), bytes);
+  calls.address_free(static_cast<CUdeviceptr>(data), bytes);
+}
+
 // The driver calls act on the thread's current context: any runtime call
 // makes the current device's primary context current (creating it on first
 // use); cudaFree(nullptr) is the one that does nothing else.
@@ -174,42 +203,31 @@ DescriptorAllocation::DescriptorAllocation(int device, size_t bytes, bool* out_o
     return;
   }
   check_driver(created, "cuMemCreate (a buffer of the group, shared as a file descriptor)");
-  handle_ = handle;
-  // From here on a throw leaves a partly built object, whose members the
-  // destructor does not see: undo by hand.
-  CUdeviceptr data = 0;
+  // From here on a throw leaves a partly built object, whose destructor
+  // does not run: undo by hand.
   try {
-    check_driver(calls.reserve(&data, bytes_, 0, 0, 0), "cuMemAddressReserve");
+    const CUdeviceptr data = map_whole(calls, handle, bytes_, device, "");
     try {
-      check_driver(calls.map(data, bytes_, 0, handle, 0), "cuMemMap");
-      try {
-        allow_access(calls, data, bytes_, device);
-        int fd = -1;
-        check_driver(calls.export_handle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-                     "cuMemExportToShareableHandle (as a file descriptor)");
-        descriptor_ = comm::UniqueFd(fd);
-      } catch (...) {
-        calls.unmap(data, bytes_);
-        throw;
-      }
+      int fd = -1;
+      check_driver(calls.export_handle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                   "cuMemExportToShareableHandle (as a file descriptor)");
+      descriptor_ = comm::UniqueFd(fd);
     } catch (...) {
-      calls.address_free(data, bytes_);
+      unmap_whole(calls, data, bytes_);
       throw;
     }
+    data_ = static_cast<uintptr_t>(data);
   } catch (...) {
     calls.release(handle);
     throw;
   }
-  data_ = static_cast<uintptr_t>(data);
+  handle_ = handle;
 }
 
 DescriptorAllocation::~DescriptorAllocation() {
   if (handle_ == 0) return;
   const DriverCalls& calls = driver();
-  if (data_ != 0) {
-    calls.unmap(static_cast<CUdeviceptr>(data_), bytes_);
-    calls.address_free(static_cast<CUdeviceptr>(data_), bytes_);
-  }
+  unmap_whole(calls, data_, bytes_);
   calls.release(static_cast<CUmemGenericAllocationHandle>(handle_));
 }
 
@@ -225,19 +243,7 @@ DescriptorMapping::DescriptorMapping(int descriptor, size_t bytes, int device) :
                "cuMemImportFromShareableHandle (a peer's buffer)");
   CUdeviceptr data = 0;
   try {
-    check_driver(calls.reserve(&data, bytes_, 0, 0, 0), "cuMemAddressReserve (a peer's buffer)");
-    try {
-      check_driver(calls.map(data, bytes_, 0, handle, 0), "cuMemMap (a peer's buffer)");
-      try {
-        allow_access(calls, data, bytes_, device);
-      } catch (...) {
-        calls.unmap(data, bytes_);
-        throw;
-      }
-    } catch (...) {
-      calls.address_free(data, bytes_);
-      throw;
-    }
+    data = map_whole(calls, handle, bytes_, device, " (a peer's buffer)");
   } catch (...) {
     calls.release(handle);
     throw;
@@ -248,10 +254,7 @@ DescriptorMapping::DescriptorMapping(int descriptor, size_t bytes, int device) :
 }
 
 DescriptorMapping::~DescriptorMapping() {
-  if (data_ == 0) return;
-  const DriverCalls& calls = driver();
-  calls.unmap(static_cast<CUdeviceptr>(data_), bytes_);
-  calls.address_free(static_cast<CUdeviceptr>(data_), bytes_);
+  if (data_ != 0) unmap_whole(driver(), data_, bytes_);
 }
 
 }  // namespace fsdp_ext::device

@@ -127,10 +127,10 @@ void DeviceBufferPool::share_by_descriptors() {
     if (buffer.handle) --exported_;
     buffer.handle.reset();
   }
-  // The free legacy buffers leave the free list (the route's legacy probe
-  // buffer is one: handed out again, it would stage the ops on it); those
-  // in use are retired when released.
-  for (void* data : free_.take_all()) buffers_.at(reinterpret_cast<uintptr_t>(data)).retired = true;
+  // The free legacy buffers leave the free list for good (the route's legacy
+  // probe buffer is one: handed out again, it would stage the ops on it);
+  // release() keeps those in use out of it.
+  free_.take_all();
 }
 
 std::string DeviceBufferPool::descriptor_address() const {
@@ -211,10 +211,7 @@ void DeviceBufferPool::release(void* data) noexcept {
   Buffer& buffer = it->second;
   buffer.in_use = false;
   --in_use_;
-  if (server_ && !buffer.shared_memory) {
-    buffer.retired = true;  // a legacy buffer after the switch to descriptors
-    return;
-  }
+  if (server_ && !buffer.shared_memory) return;  // a legacy buffer after the switch to descriptors
   std::vector<StreamOrderedReuse<ReleaseFence>::Fenced> fences;
   try {
     DeviceScope scope(device_);

@@ -110,11 +110,10 @@ class DeviceBufferPool {
     std::vector<StreamId> streams;  // allocated on, then recorded
     std::optional<cudaIpcMemHandle_t> handle;  // legacy buffers peers may open
     // Descriptor buffers: the memory (offered under its base address as id).
+    // (A legacy buffer after the switch to descriptors, one with neither
+    // of the above, is never handed out again: peers could not read it in
+    // place. Kept, not freed: a peer may have opened it after all.)
     std::unique_ptr<DescriptorAllocation> shared_memory;
-    // A legacy buffer after the switch to descriptors: never handed out
-    // again (peers could not read it in place). Kept, not freed: a peer may
-    // have opened it after all.
-    bool retired = false;
   };
   // The base of the buffer holding [data, data + bytes), or 0 (mutex_ held;
   // base_holding in buffer_ranges.h).

@@ -62,14 +62,12 @@ WorkPtr CudaPath::run_staged(const OpLabel& label, CudaOp& op) {
     c10::cuda::CUDAEvent copied;
     copied.record(stream_);
     copied.synchronize();
-  } catch (const c10::Error& error) {
-    group_.fail_collective(label, op.timeout,
-                           std::string("staging the op's tensors in host memory failed: ") +
-                               error.what_without_backtrace());
   } catch (const std::exception& error) {
+    // c10's errors without their backtrace: the peers read this message too.
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
     group_.fail_collective(label, op.timeout,
                            std::string("staging the op's tensors in host memory failed: ") +
-                               error.what());
+                               (c10_error ? c10_error->what_without_backtrace() : error.what()));
   }
   op.on_host(host_inputs, host_outputs)->wait();
   {

@@ -409,6 +409,32 @@ def test_collective(pool, check):
     pool.run(check)
 
 
+def check_wait_holding_the_gil(ctx):
+    """Note [wait() returns once the engine let go]: a wait() whose caller
+    holds the GIL returns at completion instead of waiting for the progress
+    thread's release, because that thread first runs the future's Python
+    callback, which needs the GIL. Waiting for the release there deadlocks
+    (the call's time limit fails the test)."""
+    from torch_fsdp_ext import _C
+
+    n = ctx.world_size
+    for attempt in range(3):
+        big = torch.ones(65536)  # large enough to complete on the progress thread
+        dist.barrier()
+        if ctx.rank != 0:
+            time.sleep(0.2)  # rank 0's op is still in flight when it waits
+        work = dist.all_reduce(big, async_op=True)
+        ran = []
+        chained = work.get_future().then(lambda f: (ran.append(attempt), f.value()[0].sum())[1])
+        assert _C._wait_holding_gil_for_tests(work) is True
+        assert chained.wait().item() == 65536 * n
+        assert ran == [attempt], ran
+
+
+def test_wait_holding_the_gil_returns_at_completion(pool2):
+    pool2.run(check_wait_holding_the_gil, timeout=30)
+
+
 def check_average_is_sum_then_divide(ctx):
     """AVG is SUM followed by torch's div_ by the group size, bit for bit (a
     multiply by the reciprocal rounds differently in a group of 3), so an FSDP

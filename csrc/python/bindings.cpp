@@ -184,6 +184,16 @@ PYBIND11_MODULE(_C, m) {
       "How many connections this process's liveness listener closed unfiled: no\n"
       "valid hello (magic, endpoint, this process's token) within its deadline.");
 
+  // The GIL check of Note [wait() returns once the engine let go]
+  // (backend/fsdp_ext_work.hpp): torch's own waits release the GIL, so only a
+  // caller like this one reaches it.
+  m.def(
+      "_wait_holding_gil_for_tests", [](c10d::Work& work) { return work.wait(); },
+      py::arg("work"),
+      "Tests only: Work.wait() without releasing the GIL, as C++ code that holds it\n"
+      "would call it. Returns once the op completed; it does not wait for the\n"
+      "progress thread to let go of the op, which may need the GIL to do so.");
+
   // Fault injection for the CUDA tests (backend/cuda_collectives.hpp).
   m.def("_refuse_legacy_cuda_ipc_for_tests", &fsdp_ext::backend::refuse_legacy_ipc_for_tests,
         py::arg("refuse"),

@@ -709,11 +709,19 @@ SEND_THEN_EXIT_SCRIPT = textwrap.dedent("""
     dist.barrier()
     if rank == 0:
         dist.send(torch.full((5,), 7.0), dst=1, tag=1)
-        os._exit(0)  # its send completed: gone without a word
+        dist.send(torch.full((2,), 8.0), dst=1, tag=3)
+        dist.send(torch.full((3,), 9.0), dst=1, tag=4)
+        os._exit(0)  # its sends completed: gone without a word
     time.sleep(1.5)  # rank 0's exit is seen by now: the group is broken
     got = torch.zeros(5)
     dist.recv(got, src=0, tag=1)
     print("RECEIVED", got.tolist(), flush=True)
+    # The same through a batch of receives (one coalesced op).
+    batch = [torch.zeros(2), torch.zeros(3)]
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, batch[0], 0, tag=3),
+                                        dist.P2POp(dist.irecv, batch[1], 0, tag=4)]):
+        work.wait()
+    print("BATCH RECEIVED", [t.tolist() for t in batch], flush=True)
     for name, call in (("recv", lambda: dist.recv(torch.zeros(5), src=0, tag=2)),
                        ("all_reduce", lambda: dist.all_reduce(torch.ones(3)))):
         start = time.monotonic()
@@ -727,14 +735,16 @@ SEND_THEN_EXIT_SCRIPT = textwrap.dedent("""
 
 def test_a_message_sent_before_the_sender_exited_is_received(tmp_path):
     """Note [what a lost peer sent still arrives]: rank 0 sends, then exits.
-    Its send completed, so rank 1's receive for it gets the data, as gloo's
-    does, although the exit broke the group; a receive for a message never
+    Its sends completed, so rank 1's receives for them get the data, alone
+    or in a batch_isend_irecv, as gloo's do, although the exit broke the
+    group; a receive for a message never
     sent fails at once naming the exit, and collectives are refused."""
     script = tmp_path / "send_then_exit.py"
     script.write_text(SEND_THEN_EXIT_SCRIPT)
     _, (_, out1, err1) = run_script_ranks(script, 28400 + os.getpid() % 1000, first=1, timeout=90)
     lines = out1.strip().splitlines()
     assert "RECEIVED [7.0, 7.0, 7.0, 7.0, 7.0]" in lines, (out1, err1[-2000:])
+    assert "BATCH RECEIVED [[8.0, 8.0], [9.0, 9.0, 9.0]]" in lines, (out1, err1[-2000:])
     recv = next(line for line in lines if line.startswith("ERROR recv"))
     assert float(recv.split(" after ")[1].split("s:")[0]) < 5, recv
     assert "fsdp_ext recv (group '0', rank 1/2)" in recv and "rank 0 (host " in recv, recv

@@ -51,6 +51,12 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::endCoalescing() {
   }
   const bool any_collective = std::any_of(members.begin(), members.end(),
                                           [](const CoalescedOp& m) { return m.collective; });
+  // A batch of receives alone (batch_isend_irecv of irecvs) takes what a lost
+  // peer sent before it went, as each receive would on its own (Note [what a
+  // lost peer sent still arrives], comm/progress_engine.cpp).
+  const bool receives_only =
+      !members.empty() && std::all_of(members.begin(), members.end(),
+                                      [](const CoalescedOp& m) { return m.receive_only; });
   // The batch's own Work takes no sequence number: its members did.
   auto work = make_work(c10d::OpType::COALESCED, "fsdp_ext:coalesced", /*collective=*/false,
                         tensors, tensors, wait_spin_for_tensors(tensors), timeout);
@@ -59,6 +65,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::endCoalescing() {
   op.name = "coalesced";
   op.kind = collective_kind_of(op.name.c_str());
   op.collective = any_collective;
+  op.receive_only = receives_only;
   op.timeout = timeout;
   op.body = coalesced_body(shared_members);
   op.on_start = [shared_members, work] {

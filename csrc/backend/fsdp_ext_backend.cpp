@@ -169,10 +169,12 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::enqueue(
   std::vector<at::Tensor> keep_alive = tensors_of_op(inputs, outputs);
   auto work = make_work(type, profiling_title, collective, inputs, std::move(outputs),
                         wait_spin_for_tensors(keep_alive), timeout, peer);
+  const bool receive_only = type == c10d::OpType::RECV || type == c10d::OpType::RECVANYSOURCE;
   {
     std::lock_guard<std::mutex> lock(coalescing_mutex_);
     if (coalescing_on_this_thread()) {
-      coalesced_ops_.push_back(CoalescedOp{collective, std::move(body), work, std::move(bucket)});
+      coalesced_ops_.push_back(
+          CoalescedOp{collective, receive_only, std::move(body), work, std::move(bucket)});
       coalesced_tensors_.insert(coalesced_tensors_.end(), keep_alive.begin(),
                                 keep_alive.end());
       coalesced_timeout_ = std::max(coalesced_timeout_, timeout);
@@ -183,7 +185,7 @@ c10::intrusive_ptr<c10d::Work> FsdpExtBackend::enqueue(
   op.name = label.op;
   op.kind = collective_kind_of(label.op);
   op.collective = collective;
-  op.receive_only = type == c10d::OpType::RECV || type == c10d::OpType::RECVANYSOURCE;
+  op.receive_only = receive_only;
   op.timeout = timeout;
   op.body = std::move(body);
   op.keepalive = std::make_shared<std::vector<at::Tensor>>(std::move(keep_alive));

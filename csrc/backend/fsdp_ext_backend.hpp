@@ -319,6 +319,7 @@ class FsdpExtBackend : public c10d::Backend {
   // coalescing thread become one queued operation.
   struct CoalescedOp {
     bool collective;
+    bool receive_only;  // a recv: still runs after a peer's loss (comm/progress_engine.cpp)
     Body body;
     c10::intrusive_ptr<FsdpExtWork> work;
     std::shared_ptr<const BucketMembers> bucket;  // null: not fusible

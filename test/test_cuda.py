@@ -286,6 +286,36 @@ def test_every_op_against_cpu_reference(world, route):
             assert not description.startswith("nccl"), description
 
 
+def reduce_scatter_bits(ctx):
+    """Reduce-scatters of random fp32, bf16 and fp64 data (SUM, AVG and
+    PREMUL_SUM) at awkward block sizes; the results on the host."""
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    results = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        for block in (1, 3, 8191, 65536):
+            g = torch.Generator().manual_seed(100 * ctx.rank + block)
+            data = torch.randn(ctx.world_size * block, generator=g).to(dtype).to(dev)
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist._make_nccl_premul_sum(0.37)):
+                out = torch.empty(block, dtype=dtype, device=dev)
+                dist.reduce_scatter_tensor(out, data, op=op)
+                results.append(out.cpu())
+    return results
+
+
+def test_reduce_scatter_rounds_the_same_on_both_routes():
+    """The IPC route's kernel sums a block as comm's CPU kernels on the
+    staged route do (its owner's contribution first, then the others in rank
+    order; PREMUL_SUM's scaling rounded before the add, not fused with it),
+    so the two routes agree bit for bit, at 3 ranks where the order shows."""
+    ipc = get_pool(3, FSDP_EXT_CUDA_PATH="ipc").run(reduce_scatter_bits, timeout=CALL_TIMEOUT)
+    staged = get_pool(3, FSDP_EXT_CUDA_PATH="staged").run(reduce_scatter_bits,
+                                                            timeout=CALL_TIMEOUT)
+    for rank in range(3):
+        for i, (a, b) in enumerate(zip(ipc[rank], staged[rank])):
+            assert torch.equal(a, b), (rank, i, a.dtype, a.numel(), (a - b).abs().max().item())
+
+
 @pytest.mark.parametrize("world", [2, 3], ids=lambda n: f"ws{n}")
 @pytest.mark.parametrize("route", ["ipc", "staged"])
 def test_other_and_coalesced_ops(world, route):

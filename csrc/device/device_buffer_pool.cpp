@@ -50,7 +50,7 @@ DeviceBufferPool::~DeviceBufferPool() {
   // whose peers may have opened them, is gone. At interpreter exit the CUDA
   // runtime may be unloaded already: its errors are of no use here.
   int previous = -1;
-  if (cudaGetDevice(&previous) != cudaSuccess) {
+  if (abandoned_ || cudaGetDevice(&previous) != cudaSuccess) {
     // Left to the process's exit, which takes all device memory back.
     for (auto& [base, buffer] : buffers_) static_cast<void>(buffer.shared_memory.release());
     return;
@@ -77,9 +77,21 @@ void* DeviceBufferPool::make_buffer(size_t size_class) {
   return data;
 }
 
+// Note [legacy IPC shares whole blocks]
+// The runtime may carve a small cudaMalloc out of a larger block, and a
+// legacy IPC handle then stands for that whole block (the CUDA programming
+// guide's IPC section, which advises sharing only 2 MiB-aligned sizes): a
+// peer may be given the block's other allocations too, and what the open
+// returns for an allocation inside a block is not documented. So every
+// legacy buffer is an allocation of its own, a whole number of 2 MiB
+// (torch's segments are too); the size class is what is handed out of it.
+constexpr size_t kLegacyAllocationUnit = size_t{2} << 20;
+
 void* DeviceBufferPool::make_legacy_buffer(size_t size_class, Buffer* buffer) {
   void* data = nullptr;
-  const cudaError_t status = cudaMalloc(&data, size_class);
+  const size_t bytes =
+      (size_class + kLegacyAllocationUnit - 1) / kLegacyAllocationUnit * kLegacyAllocationUnit;
+  const cudaError_t status = cudaMalloc(&data, bytes);
   if (status == cudaErrorMemoryAllocation) {
     cudaGetLastError();  // not sticky: allocate() makes room and tries again
     return nullptr;
@@ -94,7 +106,7 @@ void* DeviceBufferPool::make_legacy_buffer(size_t size_class, Buffer* buffer) {
   } else {
     cudaGetLastError();  // this machine refuses IPC: ops on the buffer are staged
   }
-  reserved_bytes_ += size_class;
+  reserved_bytes_ += bytes;
   return data;
 }
 
@@ -131,6 +143,11 @@ void DeviceBufferPool::share_by_descriptors() {
   // probe buffer is one: handed out again, it would stage the ops on it);
   // release() keeps those in use out of it.
   free_.take_all();
+}
+
+void DeviceBufferPool::abandon_memory() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  abandoned_ = true;
 }
 
 std::string DeviceBufferPool::descriptor_address() const {

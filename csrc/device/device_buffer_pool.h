@@ -102,6 +102,11 @@ class DeviceBufferPool {
   void share_by_descriptors();
   // Where the pool's DescriptorServer listens ("" before share_by_descriptors).
   std::string descriptor_address() const;
+  // The pool's memory is left to the process's exit instead of being freed
+  // at its end: work still queued on a stream may use it, and cudaFree
+  // would wait for that work (Note [a group's stream that does not drain],
+  // backend/cuda/cuda_path.cpp).
+  void abandon_memory();
 
  private:
   struct Buffer {
@@ -136,6 +141,7 @@ class DeviceBufferPool {
   size_t allocations_ = 0;
   size_t reuses_ = 0;
   size_t exported_ = 0;
+  bool abandoned_ = false;  // abandon_memory()
 };
 
 }  // namespace fsdp_ext::device

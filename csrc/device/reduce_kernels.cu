@@ -81,6 +81,19 @@ __device__ A combine(A a, A b, comm::ReduceKind kind) {
   }
 }
 
+// PREMUL_SUM's scaling, rounded on its own as the CPU kernels round it
+// (scaled into scratch, then summed). nvcc contracts a multiply and the add
+// after it into one fused multiply-add by default, which rounds once and so
+// differs in the last bit; the _rn intrinsics are never contracted.
+template <typename A>
+__device__ A scaled(A v, double factor) {
+  if constexpr (std::is_same_v<A, double>) {
+    return __dmul_rn(v, factor);
+  } else {
+    return __fmul_rn(v, static_cast<float>(factor));
+  }
+}
+
 template <typename T>
 __global__ void reduce_kernel(T* out, Inputs inputs, int input_count, size_t count,
                               comm::ReduceKind kind, double pre_scale, double post_divisor) {
@@ -93,7 +106,7 @@ __global__ void reduce_kernel(T* out, Inputs inputs, int input_count, size_t cou
     auto contribution = [&](int k) {
       A v = Arith<T>::load(static_cast<const T*>(inputs.data[k])[i]);
       if constexpr (std::is_floating_point_v<A>) {
-        if (scale) v = Arith<T>::load(Arith<T>::store(v * static_cast<A>(pre_scale)));
+        if (scale) v = Arith<T>::load(Arith<T>::store(scaled(v, pre_scale)));
       }
       return v;
     };

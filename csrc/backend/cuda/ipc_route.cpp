@@ -24,6 +24,34 @@ namespace {
 // same layout, so a rank reads any peer's at a known offset.
 constexpr size_t kReasonBytes = 160;
 
+// The sharing probe's buffer: every rank writes a pattern of its own into
+// it and reads each peer's back through the peer's handle, so a handle that
+// opens other memory than it was made for (another allocation of a block,
+// an offset lost) fails the probe instead of every later op's numbers.
+constexpr size_t kProbeBytes = 256;
+
+std::array<uint8_t, kProbeBytes> probe_pattern(int rank) {
+  std::array<uint8_t, kProbeBytes> bytes{};
+  for (size_t i = 0; i < kProbeBytes; ++i) {
+    bytes[i] = static_cast<uint8_t>(i * 7 + static_cast<size_t>(rank) * 31 + 1);
+  }
+  return bytes;
+}
+
+// "" when `peer`'s probe, mapped here at `mapped`, holds what `peer` wrote.
+std::string check_probe(int peer, const void* mapped) {
+  std::array<uint8_t, kProbeBytes> seen{};
+  device::check_cuda(cudaMemcpy(seen.data(), mapped, kProbeBytes, cudaMemcpyDeviceToHost),
+                     "cudaMemcpy (reading a peer's probe buffer)");
+  const std::array<uint8_t, kProbeBytes> wrote = probe_pattern(peer);
+  const auto [got, want] = std::mismatch(seen.begin(), seen.end(), wrote.begin());
+  if (got == seen.end()) return "";
+  return "rank " + std::to_string(peer) + "'s probe buffer, opened here, has byte " +
+         std::to_string(got - seen.begin()) + " = " + std::to_string(*got) + " where rank " +
+         std::to_string(peer) + " wrote " + std::to_string(*want) +
+         " (the handle maps other memory)";
+}
+
 class RecordWriter {
  public:
   template <typename T>
@@ -251,7 +279,13 @@ std::string IpcRoute::probe_sharing(const OpLabel& label, device::IpcKind kind,
       std::memcpy(address.data(), listening.data(),
                   std::min(listening.size(), address.size() - 1));
     }
-    probe = buffers.allocate(label, 256, at::TensorOptions().dtype(at::kByte));
+    probe = buffers.allocate(label, kProbeBytes, at::TensorOptions().dtype(at::kByte));
+    const std::array<uint8_t, kProbeBytes> pattern = probe_pattern(rank);
+    device::check_cuda(
+        cudaMemcpy(probe.data_ptr(), pattern.data(), kProbeBytes, cudaMemcpyHostToDevice),
+        "cudaMemcpy (the probe buffer's pattern)");
+    // On the device before any peer reads it (after the exchange below).
+    device::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (the probe's pattern)");
     exported = buffers.exported(probe);
     if (!exported || exported->kind != kind) {
       failure = kind == device::IpcKind::kLegacy
@@ -283,8 +317,8 @@ std::string IpcRoute::probe_sharing(const OpLabel& label, device::IpcKind kind,
       servers[peer] = std::string(text.data(), strnlen(text.data(), text.size()));
     }
     if (kind == device::IpcKind::kDescriptor) peer_memory_.set_descriptor_servers(servers);
-    for (int peer = 0; peer < size; ++peer) {
-      if (peer != rank) peer_memory_.open(peer, probes[peer], [] {});
+    for (int peer = 0; peer < size && failure.empty(); ++peer) {
+      if (peer != rank) failure = check_probe(peer, peer_memory_.open(peer, probes[peer], [] {}));
     }
   } catch (const std::exception& error) {
     failure = error.what();
@@ -438,7 +472,13 @@ WorkPtr IpcRoute::run(const OpLabel& label, CudaOp& op) {
   // Before anything is enqueued: whatever a later round raises, the tensors'
   // memory is then not reused before the group's stream is done with it
   // (peers' reads are ordered before that stream's end by the `done` round).
-  guarded([&] { path_.record_stream(op); });
+  // Also after a failure of this rank's own: its peers, told only at the
+  // next round, may already be reading its buffers.
+  try {
+    path_.record_stream(op);
+  } catch (const std::exception& error) {
+    if (failure.empty()) failure = error.what();
+  }
   guarded([&] {
     for (int p = 0; p < size; ++p) {
       if (p != rank) peer_ready_[p]->wait(stream);
@@ -464,12 +504,16 @@ WorkPtr IpcRoute::run(const OpLabel& label, CudaOp& op) {
       });
       break;
     case CudaOp::Kind::kReduceScatter:
-      // Each rank reduces its block of every rank's input.
+      // Each rank reduces its block of every rank's input, starting with its
+      // own, then the others in rank order: the order of comm's one-host
+      // reduce-scatters, so a block rounds as on the staged route.
       guarded([&] {
         for (size_t i = 0; i < op.inputs.size(); ++i) {
           const size_t part = op.outputs[i].nbytes();
-          std::vector<const void*> blocks(size);
-          for (int p = 0; p < size; ++p) blocks[p] = offset(peer[p][i], rank * part);
+          std::vector<const void*> blocks{offset(peer[rank][i], rank * part)};
+          for (int p = 0; p < size; ++p) {
+            if (p != rank) blocks.push_back(offset(peer[p][i], rank * part));
+          }
           device::reduce_on_device(op.outputs[i].data_ptr(), blocks.data(), size,
                                    op.outputs[i].numel(), op.spec, stream);
         }

@@ -34,6 +34,8 @@ class GroupCudaBuffers final : public CudaBuffers {
   // (DeviceBufferPool::share_by_descriptors); where their server listens.
   void share_by_descriptors() const { pool_->share_by_descriptors(); }
   std::string descriptor_address() const { return pool_->descriptor_address(); }
+  // Left to the process's exit, not freed (DeviceBufferPool::abandon_memory).
+  void abandon_memory() const { pool_->abandon_memory(); }
 
  private:
   std::shared_ptr<device::DeviceBufferPool> pool_;

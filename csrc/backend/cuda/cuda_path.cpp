@@ -4,11 +4,14 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <chrono>
 #include <cstring>
 #include <set>
+#include <thread>
 
 #include "backend/cuda/cuda_buffers.hpp"
 #include "backend/cuda/ipc_route.hpp"
@@ -49,6 +52,7 @@ std::string text_of(const std::array<char, N>& text) {
 CudaPath::CudaPath(FsdpExtBackend& group, const OpLabel& label, int device,
                    const CudaChoice& chosen, const NcclFactory& nccl_factory)
     : group_(group),
+      group_label_(label.group),
       rank_(label.rank),
       size_(label.size),
       device_(device),
@@ -161,17 +165,50 @@ CudaPath::CudaPath(FsdpExtBackend& group, const OpLabel& label, int device,
   }
 }
 
-CudaPath::~CudaPath() {
-  // Work the group's stream still has queued reads peers' mappings and
-  // waits on shared events, which the routes close and destroy next: let it
-  // finish first (Work.wait() orders streams, it does not wait for them).
-  // A device that failed, or a runtime going away at exit, has nothing more
-  // to say here.
+// Note [a group's stream that does not drain]
+// Work the group's stream still has queued reads peers' mappings and waits
+// on shared events, which the routes close and destroy when the path goes:
+// the stream must finish first (Work.wait() orders streams, it does not wait
+// for them). It may never finish: a peer that died with an op on the GPU
+// never records the event this stream waits for. An unbounded synchronize
+// would then hang the group's destruction (and the process's exit) instead
+// of the op's error ending the job; so the wait has a deadline, after which
+// the mappings, events and the group's buffers are left to the process's
+// exit (closing them, or cudaFree, would wait for the same stream).
+constexpr std::chrono::seconds kTeardownDrain{10};
+
+namespace {
+// Whether `stream` finished its work within `limit` (also true where the
+// device failed or the runtime is going away at exit: nothing more to wait
+// for then).
+bool drains_within(const c10::cuda::CUDAStream& stream, std::chrono::seconds limit) noexcept {
   try {
-    stream_.synchronize();
+    c10::cuda::CUDAGuard guard(stream.device_index());
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    for (;;) {
+      const cudaError_t status = cudaStreamQuery(stream.stream());
+      if (status == cudaSuccess) return true;
+      cudaGetLastError();  // not sticky: not ready yet, or the device failed
+      if (status != cudaErrorNotReady) return true;
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
   } catch (const std::exception&) {
     cudaGetLastError();
+    return true;
   }
+}
+}  // namespace
+
+CudaPath::~CudaPath() {
+  if (drains_within(stream_, kTeardownDrain)) return;
+  LOG(WARNING) << "fsdp_ext (group " << group_label_ << ", rank " << rank_ << "/" << size_
+               << "): the group's CUDA stream has not finished its work "
+               << kTeardownDrain.count()
+               << " s after the group's end (waiting for a peer that is gone?); its peer "
+                  "mappings, events and buffers are left to the process's exit";
+  static_cast<void>(ipc_.release());
+  if (buffers_) buffers_->abandon_memory();
 }
 
 void CudaPath::shutdown() {

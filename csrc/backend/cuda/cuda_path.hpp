@@ -74,6 +74,7 @@ class CudaPath final : public CudaCollectives {
   enum class Route { kNccl, kIpc, kStaged };
 
   FsdpExtBackend& group_;
+  std::string group_label_;  // for the log: "'0' (default_pg)"
   int rank_;
   int size_;
   int device_;

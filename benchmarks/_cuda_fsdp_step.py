@@ -25,6 +25,7 @@ upstream, ours. Per contender, over the steps after the first third:
 Losses of ours and upstream's are compared too (max difference).
 """
 
+import gc
 import json
 import statistics
 import time
@@ -149,7 +150,11 @@ def _measure(rank, world, init_file, queue, models, steps):
                 "groups": groups, "losses": losses,
                 "params": sum(p.numel() for p in model.parameters()),
             }
+            # An FSDP state and its module refer to each other: only the
+            # collector frees them, and memory still held here would count in
+            # the next contender's peak.
             del model, optim
+            gc.collect()
             torch.cuda.empty_cache()
         results[name] = row
     if rank == 0:

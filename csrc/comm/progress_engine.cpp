@@ -452,9 +452,12 @@ void ProgressEngine::tell_peers(uint64_t seq, const OpOutcome& failure) {
   // ranks told of it (kPeerLeft on the wire is a departure: it would not fail them).
   const ErrorKind kind =
       failure.kind == ErrorKind::kPeerLeft ? ErrorKind::kPeerFailed : failure.kind;
+  // Not the ranks that destroyed the group: none listens there any more,
+  // and a rank this one never talked to would take a new connection to a
+  // process that may be gone.
   std::vector<int> peers;
   for (int peer = 0; peer < config_.size; ++peer) {
-    if (peer != config_.rank) peers.push_back(peer);
+    if (peer != config_.rank && departed_.count(peer) == 0) peers.push_back(peer);
   }
   send_notice(peers, encode_failure_notice(seq, kind, failure.message));
 }

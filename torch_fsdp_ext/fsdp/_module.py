@@ -477,8 +477,11 @@ class FSDPModule(UpstreamFSDPModule):
         _set_group_option(self, "unshard_in_backward", unshard_in_backward, recurse=False)
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
-        # Collectives are always issued asynchronously and waited where
-        # their result is needed, so both settings behave the same.
+        # On host memory collectives are always issued asynchronously and
+        # waited where their result is needed, so both settings behave the
+        # same. On a CUDA mesh upstream's True moves the unshard's copy-in,
+        # buffer and wait onto the compute stream; ours keeps the side
+        # streams either way (same numbers; memory may fragment differently).
         return
 
     def reset_iter_state(self) -> None:

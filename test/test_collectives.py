@@ -420,7 +420,14 @@ def check_wait_holding_the_gil(ctx):
     n = ctx.world_size
     for attempt in range(3):
         big = torch.ones(65536)  # large enough to complete on the progress thread
-        dist.barrier()
+        # An op waited for with the GIL released: the progress thread has then
+        # let go of everything earlier (the last attempt's callback, whose
+        # disposal takes the GIL too). Otherwise it may still be waiting for
+        # the GIL to do so while this thread holds it waiting for the next
+        # op, which the progress thread never gets to: the hazard the Note
+        # leaves to the caller, not the one tested here. (A barrier runs on
+        # the small-op channel without the progress thread.)
+        dist.all_reduce(torch.ones(65536))
         if ctx.rank != 0:
             time.sleep(0.2)  # rank 0's op is still in flight when it waits
         work = dist.all_reduce(big, async_op=True)

@@ -61,9 +61,10 @@ TEST(ProgressEngine, ARankTheDepartedPeerNeverTalkedToHearsOfItFromTheOneThatDid
   // Note [a peer that destroyed the group]: a departing rank tells only the
   // peers it has endpoints to. Here rank 0 has sent to rank 1 alone; rank 2
   // has exchanged nothing with it. After rank 0's shutdown, rank 1's next
-  // collective fails at once, and rank 1 passes that on, so rank 2, waiting
-  // in the same collective on a receive from rank 1, fails within seconds
-  // too, naming rank 0, instead of at its 20 s timeout.
+  // collective (waiting on rank 0) fails once the departure notice is in,
+  // whether that is before or during the op, and rank 1 passes that on: rank
+  // 2, waiting in the same collective on rank 1, fails within seconds too,
+  // naming rank 0, instead of at its 20 s timeout.
   testing::LoopbackOptions options;
   options.shared_memory = false;
   LoopbackGroup group(3, options);
@@ -76,17 +77,13 @@ TEST(ProgressEngine, ARankTheDepartedPeerNeverTalkedToHearsOfItFromTheOneThatDid
   });
   group.engine(0).shutdown();
   const auto told = Clock::now() + milliseconds(5000);
-  // The departure notice is a message: let it reach rank 1 before its op.
-  std::this_thread::sleep_for(milliseconds(200));
-  const testing::RankBody one_to_two = [](int r, OpContext& context) {
-    int value = 9;
-    std::vector<Request> requests;
-    if (r == 1) requests.push_back(context.send(2, 0, &value, sizeof(value)));
-    if (r == 2) requests.push_back(context.recv(1, 0, &value, sizeof(value)));
+  const testing::RankBody each_waits_on_the_one_before = [](int r, OpContext& context) {
+    int value = 0;
+    std::vector<Request> requests{context.recv(r - 1, 0, &value, sizeof(value))};
     context.wait_all(requests);
   };
-  auto waiting = group.submit(2, "one_to_two", one_to_two, milliseconds(20000));
-  auto telling = group.submit(1, "one_to_two", one_to_two, milliseconds(20000));
+  auto waiting = group.submit(2, "wait", each_waits_on_the_one_before, milliseconds(20000));
+  auto telling = group.submit(1, "wait", each_waits_on_the_one_before, milliseconds(20000));
   const OpOutcome teller = LoopbackGroup::await(telling, milliseconds(20000));
   ASSERT_FALSE(teller.ok);
   EXPECT_EQ(teller.kind, ErrorKind::kPeerLeft) << teller.message;
@@ -96,7 +93,7 @@ TEST(ProgressEngine, ARankTheDepartedPeerNeverTalkedToHearsOfItFromTheOneThatDid
   EXPECT_LT(Clock::now(), told) << "rank 2 waited for its timeout: " << outcome.message;
   ASSERT_FALSE(outcome.ok);
   EXPECT_EQ(outcome.kind, ErrorKind::kPeerFailed) << outcome.message;
-  EXPECT_TRUE(contains(outcome.message, "fsdp_ext one_to_two (group 'loopback', rank 2/3, op #2)"))
+  EXPECT_TRUE(contains(outcome.message, "fsdp_ext wait (group 'loopback', rank 2/3, op #2)"))
       << outcome.message;
   EXPECT_TRUE(contains(outcome.message, "rank 1")) << outcome.message;
   EXPECT_TRUE(contains(outcome.message, "destroyed this group")) << outcome.message;
